@@ -1,0 +1,46 @@
+# minidist: every target creates the virtual environment first if it is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch: the CPU build. On machines whose pip finds a local CPU wheel this pin takes it; elsewhere
+# override, e.g. make test TORCH='torch --index-url <your CPU wheel index>'.
+TORCH  ?= torch==2.13.0
+L      ?= 02
+
+.PHONY: test test-fast demo bench lab labs lint venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not processes"
+
+demo: venv
+	$(VENV)/bin/minidist run -n 4 --backend mpi lessons/02_collectives/demo.py
+
+bench: venv
+	$(VENV)/bin/minidist bench allreduce -n 2 --backend mpi
+	$(VENV)/bin/minidist bench p2p -n 2 --backend mpi
+
+# grade a learner's lab: the lesson's tests, run against lessons/$(L)_*/lab.py
+lab: venv
+	$(PY) tools/labs.py grade $(L)
+
+# regenerate every lab.py from the reference modules
+labs: venv
+	$(PY) tools/labs.py generate
+
+lint: venv
+	$(VENV)/bin/ruff format --check minidist tests tools lessons
+	$(VENV)/bin/ruff check minidist tests tools lessons
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,153 @@
+"""Debug mode: catch ranks that disagree about what they are doing, instead of hanging.
+
+Two mistakes make a distributed program hang or, worse, mix data silently:
+- ranks call different collectives (rank 0 all_reduce, rank 1 all_gather), or the same one with
+  different shapes or dtypes;
+- a receive expects another size or dtype than the matching send carries.
+
+`CheckedComm(comm)` wraps any comm. Before every collective, the ranks all-gather a short text
+signature ("all_reduce(shape=(4,), float32, op=sum)") and compare them; every rank then raises
+the same `CollectiveMismatch` naming which ranks called what. Before every message, the sender
+sends a small header (element count and dtype) that the receiver checks against its buffer.
+The price is one extra all-gather per collective and one extra message per send: turn it on
+while debugging (`minidist.init(debug=True)` or MINIDIST_DEBUG=1), not for speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .protocol import CallbackWork, CollectiveMismatch, CommError, describe, mismatch_message
+from .protocol import signature as _signature
+
+SIG_BYTES = 160
+_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+def _encode(sig: str) -> torch.Tensor:
+    raw = sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _decode(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def _header(t: torch.Tensor, device) -> torch.Tensor:
+    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+    return torch.tensor([t.numel(), code], dtype=torch.int64, device=device)
+
+
+class CheckedComm:
+    """A comm that checks every collective's signature and every message's header."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+        self.backend = inner.backend
+        self.timeout = inner.timeout
+        self.device = getattr(inner, "device", torch.device("cpu"))
+        self.n_collectives = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def check(self, sig: str) -> None:
+        """All-gather every rank's signature; if any differ, raise CollectiveMismatch on all."""
+        self.n_collectives += 1
+        rows = torch.empty((self.world_size, SIG_BYTES), dtype=torch.uint8, device=self.device)
+        self.inner.all_gather(rows, _encode(sig).to(self.device))
+        sigs = [_decode(r) for r in rows.cpu()]
+        if len(set(sigs)) > 1:
+            raise CollectiveMismatch(mismatch_message(self, self.n_collectives, sigs))
+
+    # point-to-point: a header message first, checked by the receiver at wait()
+
+    def isend(self, t, dst, tag=0):
+        self.inner.isend(_header(t, self.device), dst, tag).wait()
+        return self.inner.isend(t, dst, tag)
+
+    def irecv(self, t, src, tag=0):
+        head = torch.empty(2, dtype=torch.int64, device=self.device)
+        head_work = self.inner.irecv(head, src, tag)
+        data_work = self.inner.irecv(t, src, tag)
+
+        def check():
+            numel, code = head.tolist()
+            dtype = _DTYPES[code] if code >= 0 else "an unknown dtype"
+            if numel != t.numel() or dtype != t.dtype:
+                raise CommError(
+                    f"{describe(self, f'recv(tag={tag})', 0, src)}: rank {src} sent {numel} x "
+                    f"{dtype}, this rank expects {t.numel()} x {t.dtype} "
+                    f"(shape {tuple(t.shape)})"
+                )
+
+        return CallbackWork(_Both(head_work, check, data_work), lambda: None)
+
+    def send(self, t, dst, tag=0):
+        self.isend(t, dst, tag).wait()
+
+    def recv(self, t, src, tag=0):
+        self.irecv(t, src, tag).wait()
+        return t
+
+    # collectives: check, then do
+
+    def iall_reduce(self, t, op="sum"):
+        self.check(_signature("all_reduce", t, op=op))
+        return self.inner.iall_reduce(t, op)
+
+    def ireduce_scatter(self, out, inp, op="sum"):
+        self.check(_signature("reduce_scatter", inp, op=op))
+        return self.inner.ireduce_scatter(out, inp, op)
+
+    def iall_gather(self, out, inp):
+        self.check(_signature("all_gather", inp))
+        return self.inner.iall_gather(out, inp)
+
+    def ibroadcast(self, t, src):
+        self.check(_signature("broadcast", t, src=src))
+        return self.inner.ibroadcast(t, src)
+
+    def all_reduce(self, t, op="sum"):
+        self.iall_reduce(t, op).wait()
+        return t
+
+    def reduce_scatter(self, out, inp, op="sum"):
+        self.ireduce_scatter(out, inp, op).wait()
+        return out
+
+    def all_gather(self, out, inp):
+        self.iall_gather(out, inp).wait()
+        return out
+
+    def broadcast(self, t, src):
+        self.ibroadcast(t, src).wait()
+        return t
+
+    def barrier(self):
+        self.check("barrier()")
+        self.inner.barrier()
+
+    def split(self, color: int) -> CheckedComm:
+        self.check("split()")
+        return CheckedComm(self.inner.split(color))
+
+
+class _Both:
+    """Wait for the header, check it, then wait for the data."""
+
+    def __init__(self, head_work, check, data_work):
+        self.head_work, self.check, self.data_work = head_work, check, data_work
+
+    def wait(self) -> None:
+        self.head_work.wait()
+        self.check()
+        self.data_work.wait()
+
+    def is_completed(self) -> bool:
+        return self.head_work.is_completed() and self.data_work.is_completed()

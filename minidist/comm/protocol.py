@@ -1,0 +1,206 @@
+"""The communicator contract every backend implements, and the checks they share.
+
+A `Comm` is a group of ranks that can talk: point-to-point `send`/`recv` (and their
+non-blocking `isend`/`irecv`), the library's own collectives (`all_reduce`, `reduce_scatter`,
+`all_gather`, `broadcast`, `barrier`, each with an `i`-prefixed variant returning a `Work`), and
+`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it without a
+base class; the wrappers in `comm/wrappers.py` wear it too, so techniques never know which
+backend moves their bytes.
+
+Conventions shared by every backend (and asserted by tests/test_comm.py):
+- Tensors are filled in place and also returned. Any shape, dtype, device the backend accepts,
+  contiguous or not, 0-d or empty.
+- `all_gather(out, inp)`: out.numel() == world_size * inp.numel(); the flattened `out` holds rank
+  0's `inp`, then rank 1's, ... `reduce_scatter(out, inp, op)`: inp.numel() == world_size *
+  out.numel(); rank r receives the reduction of the r-th flattened chunk of `inp`.
+- op is one of "sum", "avg", "max", "min". "avg" needs a floating dtype. bool reduces as
+  logical or (sum, max) and logical and (min).
+- A tensor handed to an `i`-operation must not be touched until its `wait()` returns.
+- Every blocking wait has a timeout (seconds, `comm.timeout`); when it fires, `CommTimeout`
+  names the rank, the operation, its sequence number on this comm and the peer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+OPS = ("sum", "avg", "max", "min")
+DEFAULT_TIMEOUT = 60.0
+
+
+class CommError(RuntimeError):
+    """A communication failed: a peer died, a message did not fit, or ranks disagree."""
+
+
+class CommTimeout(CommError):
+    """A blocking operation waited longer than the comm's timeout."""
+
+
+class CollectiveMismatch(CommError):
+    """Ranks called different collectives, or the same one with different shapes or dtypes."""
+
+
+@runtime_checkable
+class Work(Protocol):
+    """A pending operation: `wait()` blocks until it is done (or times out)."""
+
+    def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """A group of `world_size` ranks, this process (or thread) being `rank`."""
+
+    rank: int
+    world_size: int
+    backend: str
+    timeout: float
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None: ...
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor: ...
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Work: ...
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Work: ...
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+    def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> Work: ...
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"
+    ) -> torch.Tensor: ...
+    def ireduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> Work: ...
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor: ...
+    def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work: ...
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+    def ibroadcast(self, t: torch.Tensor, src: int) -> Work: ...
+    def barrier(self) -> None: ...
+    def split(self, color: int) -> Comm: ...
+
+
+class DoneWork:
+    """A `Work` that was complete when it was made (e.g. a buffered send)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class CallbackWork:
+    """A `Work` that waits on `inner`, then runs `finish` once (copy back, divide for avg...)."""
+
+    def __init__(self, inner: Work, finish: Callable[[], None]):
+        self.inner = inner
+        self.finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        self.inner.wait()
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+    def is_completed(self) -> bool:
+        return self.finish is None or self.inner.is_completed()
+
+
+def describe(comm, what: str, seq: int, peer: int | None = None) -> str:
+    """The words every error uses: 'rank 1 of 4 (mpi): recv #7 from peer 0'."""
+    where = f"rank {comm.rank} of {comm.world_size} ({comm.backend})"
+    with_peer = "" if peer is None else f" with peer {peer}"
+    return f"{where}: {what} #{seq}{with_peer}"
+
+
+def poll_until(done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+    """Spin on `done()` (then sleep with backoff) until it is true; CommTimeout after `timeout`.
+
+    Busy spinning first keeps small-message latency low; the backoff stops an oversubscribed
+    machine (more ranks than cores) from burning the core the peer needs.
+    """
+    for _ in range(200):
+        if done():
+            return
+    deadline = time.monotonic() + timeout
+    pause = 1e-6
+    while not done():
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"{what()} timed out after {timeout:g}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def check_peer(comm, peer: int, name: str) -> None:
+    """Raise ValueError unless 0 <= peer < world_size."""
+    if not isinstance(peer, int) or not 0 <= peer < comm.world_size:
+        raise ValueError(
+            f"{name}={peer!r} is out of range for world_size={comm.world_size} "
+            f"(rank {comm.rank}, {comm.backend})"
+        )
+
+
+def check_op(op: str, dtype: torch.dtype) -> None:
+    """Raise ValueError for an unknown op, or "avg" on a dtype that cannot be averaged."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not one of {OPS}")
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"op='avg' needs a floating dtype, got {dtype}")
+
+
+def check_gather(out: torch.Tensor, inp: torch.Tensor, p: int, name: str) -> None:
+    """Raise ValueError unless `big` holds exactly p times the elements of `small`, same dtype."""
+    big, small = (out, inp) if name == "all_gather" else (inp, out)
+    if big.numel() != p * small.numel():
+        role = "out" if name == "all_gather" else "inp"
+        raise ValueError(
+            f"{name}: {role}.numel()={big.numel()} must be world_size={p} x "
+            f"{small.numel()} (shapes out={tuple(out.shape)}, inp={tuple(inp.shape)})"
+        )
+    if out.dtype != inp.dtype:
+        raise ValueError(f"{name}: out.dtype={out.dtype} differs from inp.dtype={inp.dtype}")
+
+
+def reduce_(acc: torch.Tensor, x: torch.Tensor, op: str) -> torch.Tensor:
+    """acc <- acc (op) x in place; "avg" accumulates a sum (the caller divides once)."""
+    if op in ("sum", "avg"):
+        if acc.dtype == torch.bool:
+            return acc.logical_or_(x)
+        return acc.add_(x)
+    if op == "max":
+        return torch.maximum(acc, x, out=acc)
+    return torch.minimum(acc, x, out=acc)
+
+
+def reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """Fold the rows of a (p, n) tensor in rank order 0, 1, ..., p-1 (deterministic)."""
+    acc = rows[0].clone()
+    for i in range(1, rows.shape[0]):
+        reduce_(acc, rows[i], op)
+    return acc
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of a contiguous tensor's bytes (any dtype, 0-d and empty included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def signature(name: str, t: torch.Tensor | None, **extra) -> str:
+    """What must agree across ranks for a collective: 'all_reduce(shape=(4,), float32, op=sum)'."""
+    parts = [] if t is None else [f"shape={tuple(t.shape)}", str(t.dtype).replace("torch.", "")]
+    parts += [f"{k}={v}" for k, v in extra.items()]
+    return f"{name}({', '.join(parts)})"
+
+
+def mismatch_message(comm, seq: int, sigs: list[str]) -> str:
+    """Name which ranks called what, grouped: 'ranks [0, 2]: all_reduce(...); rank 1: ...'."""
+    groups: dict[str, list[int]] = {}
+    for r, s in enumerate(sigs):
+        groups.setdefault(s, []).append(r)
+    parts = [
+        f"ranks {rs}: {s}" if len(rs) > 1 else f"rank {rs[0]}: {s}" for s, rs in groups.items()
+    ]
+    return f"collective #{seq} differs across the {comm.world_size} ranks of {comm.backend}: " + (
+        "; ".join(parts)
+    )

@@ -1,0 +1,288 @@
+"""The threads backend: every rank is a thread of one process, every link a queue.
+
+Fast and deterministic, no MPI needed: lessons start here and most property tests run here.
+Tensors may live on the CPU or a GPU (one GPU can host a whole small "cluster").
+
+How it works. A `ThreadsWorld` holds the shared state of one group of ranks: a mailbox per
+(src, dst, tag) for point-to-point messages, and a table of rendezvous slots for collectives.
+A send puts a *copy* of the tensor into the mailbox (so the sender may reuse its buffer at once:
+every send is buffered, never a rendezvous). A collective is matched by its sequence number on
+the group: the k-th collective of every rank meets in slot k. Each rank leaves a copy of its
+input; the first rank to wait after all have arrived computes the result once, folding the
+inputs in rank order, so every rank gets bitwise the same tensor. Because the threads share
+memory, the signature check of debug mode is always on: ranks calling different collectives
+get `CollectiveMismatch` at once instead of a hang.
+
+    world = ThreadsWorld(4)
+    comms = [world.comm(r) for r in range(4)]      # hand one to each thread
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from .protocol import (
+    DEFAULT_TIMEOUT,
+    CollectiveMismatch,
+    CommError,
+    CommTimeout,
+    DoneWork,
+    check_gather,
+    check_op,
+    check_peer,
+    describe,
+    mismatch_message,
+    reduce_rows,
+    signature,
+)
+
+
+class ThreadsWorld:
+    """Shared state of one group of `world_size` thread-ranks (a world or a split of one)."""
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be at least 1")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.mailbox: dict[tuple[int, int, int], deque] = {}  # (src, dst, tag) -> tensors
+        self.slots: dict[int, _Slot] = {}  # collective sequence number -> rendezvous
+        self.aborted: str | None = None
+        self.children: list[ThreadsWorld] = []
+        self.split_table: dict[tuple[int, int], ThreadsWorld] = {}  # (slot, color) -> group
+
+    def comm(self, rank: int) -> ThreadsComm:
+        """The communicator for `rank`; give each thread its own."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is out of range for world_size={self.world_size}")
+        return ThreadsComm(self, rank)
+
+    def abort(self, reason: str) -> None:
+        """Wake every waiting rank (here and in split groups) with CommError(reason)."""
+        with self.cond:
+            self.aborted = reason
+            self.cond.notify_all()
+        for child in self.children:
+            child.abort(reason)
+
+    def wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout: float) -> None:
+        """Block (holding self.cond) until ready(); CommTimeout/CommError with `what()`."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.aborted is not None:
+                raise CommError(f"{what()} aborted: {self.aborted}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommTimeout(f"{what()} timed out after {timeout:g}s")
+            self.cond.wait(min(left, 0.5))
+
+
+class _Slot:
+    """The meeting point of one collective: each rank's input and signature, then the result."""
+
+    def __init__(self, p: int):
+        self.inputs: list[torch.Tensor | None] = [None] * p
+        self.sigs: list[str | None] = [None] * p
+        self.result = None
+        self.taken = 0
+
+
+class _CollectiveWork:
+    """Waits for all ranks at slot `seq`, then copies this rank's share of the result out."""
+
+    def __init__(self, comm: ThreadsComm, seq: int, name: str, finish: Callable):
+        self.comm, self.seq, self.name, self.finish = comm, seq, name, finish
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        world, p = self.comm.world, self.comm.world_size
+        with world.cond:
+            slot = world.slots[self.seq]
+
+            def arrived():
+                return all(s is not None for s in slot.sigs)
+
+            def what():
+                missing = [r for r, s in enumerate(slot.sigs) if s is None]
+                return describe(self.comm, self.name, self.seq) + f" waiting for ranks {missing}"
+
+            world.wait(arrived, what, self.comm.timeout)
+            if len(set(slot.sigs)) > 1:
+                raise CollectiveMismatch(mismatch_message(self.comm, self.seq, slot.sigs))
+            if slot.result is None:
+                slot.result = torch.stack([x.reshape(-1) for x in slot.inputs]) if p else None
+            rows = slot.result  # (p, n): rank r's flattened input in row r
+            slot.taken += 1
+            if slot.taken == p:
+                del world.slots[self.seq]
+        self.finish(rows)
+        self.done = True
+
+    def is_completed(self) -> bool:
+        if self.done:
+            return True
+        slot = self.comm.world.slots.get(self.seq)
+        return slot is not None and all(s is not None for s in slot.sigs)
+
+
+class _RecvWork:
+    """A posted receive; receives on one channel complete in the order they were posted."""
+
+    def __init__(self, comm: ThreadsComm, t: torch.Tensor, src: int, tag: int, seq: int):
+        self.comm, self.t, self.src, self.tag, self.seq = comm, t, src, tag, seq
+        self.done = False
+
+    def wait(self) -> None:
+        pending = self.comm.pending[(self.src, self.tag)]
+        while not self.done:
+            pending[0]._complete()
+            pending.popleft()
+
+    def is_completed(self) -> bool:
+        box = self.comm.world.mailbox.get((self.src, self.comm.rank, self.tag))
+        return self.done or bool(box)
+
+    def _complete(self) -> None:
+        world, key = self.comm.world, (self.src, self.comm.rank, self.tag)
+        with world.cond:
+            box = world.mailbox.setdefault(key, deque())
+            what = lambda: describe(self.comm, f"recv(tag={self.tag})", self.seq, self.src)  # noqa: E731
+            world.wait(lambda: bool(box), what, self.comm.timeout)
+            msg = box.popleft()
+        if msg.numel() != self.t.numel() or msg.dtype != self.t.dtype:
+            raise CommError(
+                f"{describe(self.comm, 'recv', self.seq, self.src)}: the message holds "
+                f"{msg.numel()} x {msg.dtype}, the buffer {self.t.numel()} x {self.t.dtype}"
+            )
+        self.t.copy_(msg.reshape(self.t.shape))
+        self.done = True
+
+
+class ThreadsComm:
+    """One thread-rank's view of a `ThreadsWorld`; implements the `Comm` protocol."""
+
+    backend = "threads"
+
+    def __init__(self, world: ThreadsWorld, rank: int):
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self.timeout = world.timeout
+        self.seq = 0  # operations issued by this rank on this comm (p2p and collective)
+        self.collectives = 0  # collectives issued: the slot number of the next one
+        self.pending: dict[tuple[int, int], deque] = {}  # (src, tag) -> posted receives
+
+    def __repr__(self) -> str:
+        return f"ThreadsComm(rank={self.rank}, world_size={self.world_size})"
+
+    # point-to-point
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> DoneWork:
+        check_peer(self, dst, "dst")
+        self.seq += 1
+        msg = t.detach().clone()  # buffered: the sender may overwrite t right away
+        with self.world.cond:
+            self.world.mailbox.setdefault((self.rank, dst, tag), deque()).append(msg)
+            self.world.cond.notify_all()
+        return DoneWork()
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> _RecvWork:
+        check_peer(self, src, "src")
+        self.seq += 1
+        work = _RecvWork(self, t, src, tag, self.seq)
+        self.pending.setdefault((src, tag), deque()).append(work)
+        return work
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(t, dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(t, src, tag).wait()
+        return t
+
+    # collectives: deposit a copy of the input, return a Work that computes this rank's share
+
+    def _collective(self, name: str, inp: torch.Tensor, sig: str, finish) -> _CollectiveWork:
+        self.seq += 1
+        slot_id = self.collectives
+        self.collectives += 1
+        with self.world.cond:
+            slot = self.world.slots.setdefault(slot_id, _Slot(self.world_size))
+            slot.inputs[self.rank] = inp.detach().clone()
+            slot.sigs[self.rank] = sig
+            self.world.cond.notify_all()
+        return _CollectiveWork(self, slot_id, name, finish)
+
+    def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> _CollectiveWork:
+        check_op(op, t.dtype)
+
+        def finish(rows):
+            out = reduce_rows(rows, op)
+            t.copy_((out / self.world_size if op == "avg" else out).reshape(t.shape))
+
+        return self._collective("all_reduce", t, signature("all_reduce", t, op=op), finish)
+
+    def ireduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"):
+        check_op(op, inp.dtype)
+        check_gather(out, inp, self.world_size, "reduce_scatter")
+        n = out.numel()
+
+        def finish(rows):
+            mine = reduce_rows(rows[:, self.rank * n : (self.rank + 1) * n], op)
+            out.copy_((mine / self.world_size if op == "avg" else mine).reshape(out.shape))
+
+        sig = signature("reduce_scatter", inp, op=op)
+        return self._collective("reduce_scatter", inp, sig, finish)
+
+    def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _CollectiveWork:
+        check_gather(out, inp, self.world_size, "all_gather")
+        finish = lambda rows: out.copy_(rows.reshape(out.shape))  # noqa: E731
+        return self._collective("all_gather", inp, signature("all_gather", inp), finish)
+
+    def ibroadcast(self, t: torch.Tensor, src: int) -> _CollectiveWork:
+        check_peer(self, src, "src")
+        finish = lambda rows: t.copy_(rows[src].reshape(t.shape))  # noqa: E731
+        return self._collective("broadcast", t, signature("broadcast", t, src=src), finish)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.iall_reduce(t, op).wait()
+        return t
+
+    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
+        self.ireduce_scatter(out, inp, op).wait()
+        return out
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        self.iall_gather(out, inp).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self.ibroadcast(t, src).wait()
+        return t
+
+    def barrier(self) -> None:
+        empty = torch.empty(0)
+        self._collective("barrier", empty, "barrier()", lambda rows: None).wait()
+
+    def split(self, color: int) -> ThreadsComm:
+        """Ranks with equal `color` form a new comm, keeping their order. Collective."""
+        colors = torch.empty(self.world_size, dtype=torch.int64)
+        self.all_gather(colors, torch.tensor([color]))
+        members = [r for r, c in enumerate(colors.tolist()) if c == color]
+        new_rank = members.index(self.rank)
+        # the first member creates the new world; the others pick it up from the same table
+        with self.world.cond:
+            world = self.world.split_table.get((self.collectives, color))
+            if world is None:
+                world = ThreadsWorld(len(members), self.timeout)
+                self.world.split_table[(self.collectives, color)] = world
+                self.world.children.append(world)
+        return world.comm(new_rank)

@@ -1,0 +1,219 @@
+"""The torch.distributed backends: Gloo for CPU tensors, NCCL for GPU tensors.
+
+One class serves both; the backend name decides the device. Gloo runs over TCP, so it works
+anywhere (also across machines without MPI); NCCL is what GPUs use (one rank per GPU).
+
+Every operation is issued asynchronously (`async_op=True`) and waited on with this comm's
+timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number and peer.
+Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
+should end, which is what the launcher does).
+
+    torchrun --nproc-per-node 4 script.py   # script: comm = minidist.init()
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from .protocol import (
+    DEFAULT_TIMEOUT,
+    CallbackWork,
+    CommError,
+    CommTimeout,
+    check_gather,
+    check_op,
+    check_peer,
+    describe,
+)
+
+_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+# newer torch renamed the flat-tensor collectives; use whichever this torch has
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def init_process_group(
+    backend: str, rank: int, world_size: int, addr: str, port: int, timeout: float
+) -> TorchDistComm:
+    """Join the default process group over TCP at addr:port and return the world comm."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not 'gloo' or 'nccl'")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        # our own timeout fires first and names the operation; this one is the backstop
+        timeout=datetime.timedelta(seconds=timeout + 30),
+    )
+    return TorchDistComm(None, backend, device, timeout)
+
+
+class _TorchWork:
+    """A torch.distributed Work, waited on with a timeout that names the operation."""
+
+    def __init__(self, comm: TorchDistComm, work, what: str, seq: int, peer=None):
+        self.comm, self.work, self.what, self.seq, self.peer = comm, work, what, seq, peer
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        start = time.monotonic()
+        try:
+            self.work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
+        except RuntimeError as e:
+            where = describe(self.comm, self.what, self.seq, self.peer)
+            if time.monotonic() - start >= self.comm.timeout * 0.99:
+                raise CommTimeout(f"{where} timed out after {self.comm.timeout:g}s") from e
+            raise CommError(f"{where} failed: {e}") from e
+        self.done = True
+
+
+class TorchDistComm:
+    """A `Comm` over a torch.distributed process group (None = the default group)."""
+
+    def __init__(self, group, backend: str, device: torch.device, timeout=DEFAULT_TIMEOUT):
+        self.group = group
+        self.backend = backend
+        self.device = device
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.seq = 0
+
+    def __repr__(self) -> str:
+        return f"TorchDistComm({self.backend}, rank={self.rank}, world_size={self.world_size})"
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _dense(self, t: torch.Tensor) -> torch.Tensor:
+        """t itself if contiguous, else a contiguous copy (the caller copies results back)."""
+        return t if t.is_contiguous() else t.contiguous()
+
+    def _work(self, work, what, peer=None, finish=lambda: None) -> CallbackWork:
+        return CallbackWork(_TorchWork(self, work, what, self.seq, peer), finish)
+
+    def _back(self, dense: torch.Tensor, t: torch.Tensor):
+        return (lambda: None) if dense is t else (lambda: t.copy_(dense))
+
+    # point-to-point
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> CallbackWork:
+        check_peer(self, dst, "dst")
+        self.seq += 1
+        dense = self._dense(t).reshape(-1)  # 0-d tensors travel as one element
+        work = dist.isend(dense, self._global(dst), group=self.group, tag=tag)
+        return self._work(work, f"send(tag={tag})", dst)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
+        check_peer(self, src, "src")
+        self.seq += 1
+        dense = self._dense(t)
+        work = dist.irecv(dense.reshape(-1), self._global(src), group=self.group, tag=tag)
+        return self._work(work, f"recv(tag={tag})", src, self._back(dense, t))
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(t, dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(t, src, tag).wait()
+        return t
+
+    # collectives
+
+    def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
+        check_op(op, t.dtype)
+        self.seq += 1
+        dense = self._dense(t)
+        reduce_op = getattr(dist.ReduceOp, _OPS[op])
+        work = dist.all_reduce(dense, op=reduce_op, group=self.group, async_op=True)
+
+        def finish():
+            if op == "avg":  # a sum then one division: the same numbers on every backend
+                dense.div_(self.world_size)
+            self._back(dense, t)()
+
+        return self._work(work, f"all_reduce(op={op})", finish=finish)
+
+    def ireduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"):
+        check_op(op, inp.dtype)
+        check_gather(out, inp, self.world_size, "reduce_scatter")
+        self.seq += 1
+        src, dst = self._dense(inp).reshape(-1), self._dense(out)
+        reduce_op = getattr(dist.ReduceOp, _OPS[op])
+        work = _reduce_scatter_flat(
+            dst.reshape(-1), src, op=reduce_op, group=self.group, async_op=True
+        )
+
+        def finish():
+            if op == "avg":
+                dst.div_(self.world_size)
+            self._back(dst, out)()
+
+        return self._work(work, f"reduce_scatter(op={op})", finish=finish)
+
+    def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
+        check_gather(out, inp, self.world_size, "all_gather")
+        self.seq += 1
+        src, dst = self._dense(inp).reshape(-1), self._dense(out)
+        work = _all_gather_flat(dst.reshape(-1), src, group=self.group, async_op=True)
+        return self._work(work, "all_gather", finish=self._back(dst, out))
+
+    def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
+        check_peer(self, src, "src")
+        self.seq += 1
+        dense = self._dense(t)
+        work = dist.broadcast(dense, self._global(src), group=self.group, async_op=True)
+        return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.iall_reduce(t, op).wait()
+        return t
+
+    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
+        self.ireduce_scatter(out, inp, op).wait()
+        return out
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        self.iall_gather(out, inp).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self.ibroadcast(t, src).wait()
+        return t
+
+    def barrier(self) -> None:
+        # an all-reduce of one element rather than dist.barrier, which on NCCL needs a device
+        # guess; a barrier only needs every rank to arrive
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def split(self, color: int) -> TorchDistComm:
+        """Ranks with equal `color` form a new comm, keeping their order. Collective."""
+        colors = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        self.all_gather(colors, torch.tensor([color], device=self.device))
+        ranks = [self._global(r) for r, c in enumerate(colors.tolist()) if c == color]
+        # only the members create (and synchronise on) their group: other colors do the same
+        # for theirs at the same time
+        group = dist.new_group(ranks, use_local_synchronization=True)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise CommError(f"rank {self.rank}: split(color={color}) made no group")
+        return TorchDistComm(group, self.backend, self.device, self.timeout)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()

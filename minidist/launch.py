@@ -1,0 +1,287 @@
+"""Starting ranks: `minidist.init()` inside a script, and `minidist run` outside it.
+
+Inside a script, `comm = minidist.init()` finds out how the process was started and returns the
+world comm:
+
+    started by                        detected through                     backend
+    mpiexec / mpirun (MPICH, Open MPI)  PMI_RANK, OMPI_COMM_WORLD_RANK, ...  mpi
+    torchrun, minidist run -b gloo      RANK, WORLD_SIZE, MASTER_ADDR/PORT   gloo (nccl on GPUs)
+    srun (Slurm)                        SLURM_PROCID, SLURM_NTASKS           gloo (nccl on GPUs)
+    minidist run --backend threads      a thread-local comm from the launcher  threads
+    plain `python script.py`            nothing                              threads, world 1
+
+MINIDIST_BACKEND (set by `minidist run`) overrides the guess. Beyond one machine use the engine
+you already have; the script does not change:
+
+    mpiexec -f hosts -n 16 python train.py
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint host0:29500 train.py
+    srun -N 2 --ntasks-per-node 8 python train.py     # MASTER_ADDR: the first node
+
+Outside, `minidist run -n N [--backend mpi|gloo|threads] script.py args` starts N ranks on this
+machine: mpi hands over to `mpiexec`, gloo spawns N processes with the torchrun variables on a
+free port, threads runs N copies of the script as threads of this process. When a rank fails the
+others are stopped within seconds, the failing rank and its traceback are reported, and the exit
+code is non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from .comm.checked import CheckedComm
+from .comm.protocol import DEFAULT_TIMEOUT
+from .comm.threads import ThreadsWorld
+
+BACKENDS = ("threads", "mpi", "gloo", "nccl")
+_local = threading.local()  # the comm of a thread started by `minidist run --backend threads`
+
+
+def detect_backend(env=os.environ) -> str:
+    """The backend the environment implies (see the table in the module docstring)."""
+    if env.get("MINIDIST_BACKEND"):
+        return env["MINIDIST_BACKEND"]
+    if getattr(_local, "comm", None) is not None:
+        return "threads"
+    mpi_vars = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+    if any(v in env for v in mpi_vars):
+        return "mpi"
+    if ("RANK" in env and "WORLD_SIZE" in env) or int(env.get("SLURM_NTASKS", "1")) > 1:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "threads"
+
+
+def _torch_env(env=os.environ) -> tuple[int, int, str, int]:
+    """(rank, world_size, master addr, master port) from torchrun's or Slurm's variables."""
+    if "RANK" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    else:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    addr = env.get("MASTER_ADDR") or _first_slurm_host(env) or "127.0.0.1"
+    port = int(env.get("MASTER_PORT") or 29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000)
+    return rank, world, addr, port
+
+
+def _first_slurm_host(env) -> str | None:
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodes or not shutil.which("scontrol"):
+        return None
+    out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+    return out.stdout.split()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def init(backend: str | None = None, timeout: float | None = None, debug: bool | None = None):
+    """Return the world comm of this process (or thread), however it was started.
+
+    backend: override the detection ("threads", "mpi", "gloo", "nccl").
+    timeout: seconds every blocking operation may wait (MINIDIST_TIMEOUT, default 60).
+    debug: wrap the comm in CheckedComm (MINIDIST_DEBUG=1), which turns mismatched collectives
+    and messages into errors naming the ranks.
+    """
+    backend = backend or detect_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    timeout = float(timeout or os.environ.get("MINIDIST_TIMEOUT") or DEFAULT_TIMEOUT)
+    if debug is None:
+        debug = os.environ.get("MINIDIST_DEBUG", "") not in ("", "0")
+    if backend == "threads":
+        comm = getattr(_local, "comm", None) or ThreadsWorld(1, timeout).comm(0)
+    elif backend == "mpi":
+        from .comm.mpi import MPIComm
+
+        comm = MPIComm(timeout=timeout)
+    else:
+        from .comm import torchdist
+
+        rank, world, addr, port = _torch_env()
+        comm = torchdist.init_process_group(backend, rank, world, addr, port, timeout)
+    if backend != "threads":
+        _install_failure_hook(comm)
+    return CheckedComm(comm) if debug else comm
+
+
+def _install_failure_hook(comm) -> None:
+    """On an uncaught exception: print it tagged with the rank, leave it where `minidist run`
+    finds it, and (MPI) abort the whole job so no rank waits for the dead one."""
+
+    def hook(kind, value, tb):
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.flush()
+        folder = os.environ.get("MINIDIST_FAILURE_DIR")
+        if folder:
+            with open(os.path.join(folder, f"rank{comm.rank}.txt"), "w") as f:
+                f.write(text)
+        if comm.backend == "mpi" and comm.world_size > 1:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # do not wait in atexit handlers for peers that will never answer
+
+    sys.excepthook = hook
+
+
+# ---- the launcher ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpiexec() -> str:
+    """The mpiexec installed beside this Python (the MPICH wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found: pip install mpich (or use --backend gloo)")
+    return found
+
+
+@dataclass
+class Outcome:
+    """How a launch ended: exit codes, the first failing rank and its traceback."""
+
+    returncode: int
+    failed_rank: int | None = None
+    traceback: str = ""
+    still_running: list[int] = field(default_factory=list)
+    timed_out: bool = False
+
+    def report(self) -> str:
+        if self.timed_out:
+            return f"timed out; ranks still running: {self.still_running}"
+        if self.failed_rank is None:
+            return f"failed with exit code {self.returncode}"
+        tb = self.traceback or "(no traceback recorded: see the rank's output above)\n"
+        return f"rank {self.failed_rank} failed (exit code {self.returncode}):\n{tb}"
+
+
+def launch(
+    argv: list[str],
+    n: int,
+    backend: str,
+    env: dict | None = None,
+    timeout: float | None = None,
+    done_marker=None,
+) -> Outcome:
+    """Run `python argv...` as n ranks over mpi or gloo; stop all when one fails.
+
+    done_marker(rank) -> bool, when given, tells which ranks finished their work, so that a
+    timeout can name the ones still running (mpiexec hides its processes from us).
+    """
+    if n < 1:
+        raise ValueError(f"-n {n}: the number of ranks must be at least 1")
+    if backend not in ("mpi", "gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: launch starts processes for 'mpi', 'gloo', 'nccl'")
+    failures = tempfile.mkdtemp(prefix="minidist-")
+    base = dict(os.environ, **(env or {}), MINIDIST_BACKEND=backend)
+    base["MINIDIST_FAILURE_DIR"] = failures
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    if backend == "mpi":
+        cmd = [mpiexec(), "-n", str(n), sys.executable, *argv]
+        procs = [subprocess.Popen(cmd, env=base, start_new_session=True)]
+    else:
+        port = free_port()
+        procs = []
+        for r in range(n):
+            rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+            rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            cmd = [sys.executable, *argv]
+            procs.append(subprocess.Popen(cmd, env=rank_env, start_new_session=True))
+    try:
+        return _watch(procs, n, backend, failures, timeout, done_marker)
+    finally:
+        shutil.rmtree(failures, ignore_errors=True)
+
+
+def _watch(procs, n, backend, failures, timeout, done_marker) -> Outcome:
+    """Poll the processes; on the first failure (or the deadline) stop them all."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        if bad or all(c == 0 for c in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(procs)
+            running = [r for r in range(n) if done_marker is None or not done_marker(r)]
+            return Outcome(1, still_running=running, timed_out=True)
+        time.sleep(0.02)
+    _stop(procs)
+    if not bad:
+        return Outcome(0)
+    recorded = sorted(f for f in os.listdir(failures) if f.startswith("rank"))
+    if recorded:  # the rank that raised first left its traceback
+        first = min(recorded, key=lambda f: os.path.getmtime(os.path.join(failures, f)))
+        with open(os.path.join(failures, first)) as f:
+            return Outcome(codes[bad[0]] or 1, int(first[4:-4]), f.read())
+    rank = bad[0] if backend != "mpi" else None
+    return Outcome(_exit_code(codes[bad[0]]), rank)
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells report
+
+
+def _stop(procs) -> None:
+    """SIGTERM every process group still alive, SIGKILL after 3 s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    end = time.monotonic() + 3
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
+    """Run the script `argv[0]` as n threads of this process, each with its own threads comm."""
+    world = ThreadsWorld(n, timeout)
+    errors: dict[int, str] = {}
+
+    def rank_main(r: int) -> None:
+        _local.comm = world.comm(r)
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                errors[r] = f"SystemExit({e.code})\n"
+                world.abort(f"rank {r} exited")
+        except BaseException:
+            errors[r] = traceback.format_exc()
+            world.abort(f"rank {r} failed")  # wake the others instead of letting them hang
+
+    old_argv = sys.argv
+    sys.argv = list(argv)
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.argv = old_argv
+    if not errors:
+        return Outcome(0)
+    first = min(errors)  # the lowest failing rank; an aborted peer reports "aborted"
+    real = [r for r, tb in errors.items() if "aborted:" not in tb]
+    first = min(real) if real else first
+    return Outcome(1, first, errors[first])

@@ -1,0 +1,223 @@
+"""The multi-rank test harness every test and every lab uses.
+
+    results = run_ranks(fn, 4, "threads", x)     # fn(comm, x) on 4 ranks; a list, one per rank
+    results = run_ranks(fn, 4, "mpi", x)         # the same over 4 real MPI processes
+    results = run_ranks(fn, 4, "gloo", x)        # ... or 4 Gloo processes
+
+`fn` gets the rank's comm first. Over processes it must be a module-level function (it is sent by
+name) and its arguments and result must pickle. A rank that raises fails the whole run with that
+rank's traceback; a run that outlives `timeout` fails naming the ranks still running, instead of
+hanging the suite.
+
+Inside ranks, never assert on one rank alone: the others would wait forever for it. Compute a
+verdict on every rank and combine it first (`verdict`), so all ranks pass or fail together.
+`compare` builds the per-tensor report (tensor, rank, max difference) the verdict carries.
+
+Property tests over processes start the processes once and run hypothesis *inside* every rank
+with `RANK_SETTINGS` (derandomized, no database, no deadline): every rank draws the same cases
+and, because verdicts are combined before any assert, sees the same outcomes, so even shrinking
+stays in step across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from .comm.protocol import OPS
+from .comm.threads import ThreadsWorld
+from .launch import launch
+
+PROCESS_BACKENDS = ("mpi", "gloo")
+
+# hypothesis inside ranks: the same cases on every rank, and nothing that depends on timing
+RANK_SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=False,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def run_ranks(fn, world_size: int, backend: str, *args, timeout: float = 120.0) -> list:
+    """fn(comm, *args) on every rank of a new world; the per-rank results in rank order."""
+    if backend == "threads":
+        return run_threads(fn, world_size, *args, timeout=timeout)
+    if backend in PROCESS_BACKENDS or backend == "nccl":
+        return run_processes(fn, world_size, backend, *args, timeout=timeout)
+    raise ValueError(f"backend={backend!r} is not 'threads', 'mpi', 'gloo' or 'nccl'")
+
+
+def run_threads(fn, world_size: int, *args, timeout: float = 60.0, comm_timeout=None) -> list:
+    """Run fn(comm, *args) in world_size threads; raise with the first failure or a hang."""
+    world = ThreadsWorld(world_size, comm_timeout or max(timeout - 5, timeout / 2))
+    results: list = [None] * world_size
+    errors: dict[int, tuple[BaseException, str]] = {}
+
+    def main(r: int) -> None:
+        try:
+            results[r] = fn(world.comm(r), *args)
+        except BaseException as e:
+            errors[r] = (e, traceback.format_exc())
+            world.abort(f"rank {r} raised {type(e).__name__}")
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    running = [r for r, t in enumerate(threads) if t.is_alive()]
+    if running:
+        world.abort("the harness timed out")
+        raise AssertionError(f"timed out after {timeout:g}s; ranks still running: {running}")
+    if errors:
+        # report a rank that failed on its own, not one woken by the abort of another
+        own = [r for r, (e, _) in errors.items() if "aborted:" not in str(e)]
+        r = min(own) if own else min(errors)
+        e, tb = errors[r]
+        if isinstance(e, AssertionError) and len(errors) == world_size:
+            raise e  # a combined verdict: every rank failed with the same message
+        raise AssertionError(f"rank {r} of {world_size} failed:\n{tb}") from e
+    return results
+
+
+def run_processes(fn, world_size: int, backend: str, *args, timeout: float = 120.0) -> list:
+    """Run fn(comm, *args) in world_size real processes over mpi or gloo (started once)."""
+    folder = tempfile.mkdtemp(prefix="minidist-test-")
+    with open(os.path.join(folder, "job.pkl"), "wb") as f:
+        pickle.dump((fn, args), f)
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    env = {"PYTHONPATH": path, "MINIDIST_TIMEOUT": str(max(timeout - 10, timeout / 2))}
+    done = lambda r: os.path.exists(os.path.join(folder, f"rank{r}.pkl"))  # noqa: E731
+    argv = ["-m", "minidist.testing", folder]
+    outcome = launch(argv, world_size, backend, env=env, timeout=timeout, done_marker=done)
+    if outcome.returncode != 0:
+        raise AssertionError(f"{backend} x {world_size}: {outcome.report()}")
+    results = []
+    for r in range(world_size):
+        with open(os.path.join(folder, f"rank{r}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def _worker(folder: str) -> None:
+    """The body of one rank of run_processes: init, run the job, leave the result."""
+    from .launch import init
+
+    comm = init()
+    with open(os.path.join(folder, "job.pkl"), "rb") as f:
+        fn, args = pickle.load(f)
+    result = fn(comm, *args)
+    # every rank finishes its work before any leaves (a leaving rank can close links)
+    comm.barrier()
+    with open(os.path.join(folder, f"rank{comm.rank}.pkl.tmp"), "wb") as f:
+        pickle.dump(result, f)
+    os.replace(
+        os.path.join(folder, f"rank{comm.rank}.pkl.tmp"),
+        os.path.join(folder, f"rank{comm.rank}.pkl"),
+    )
+
+
+# ---- verdicts and reports ----------------------------------------------------------------
+
+
+def verdict(comm, ok: bool, message: str = "") -> None:
+    """Combine a pass/fail across ranks; if any rank failed, raise on every rank.
+
+    The AssertionError names each failing rank with its message. Costs two collectives.
+    """
+    flags = torch.empty(comm.world_size, dtype=torch.int64, device=_device(comm))
+    comm.all_gather(flags, torch.tensor([int(bool(ok))], device=_device(comm)))
+    failing = [r for r, f in enumerate(flags.tolist()) if not f]
+    if not failing:
+        return
+    text = torch.zeros(4096, dtype=torch.uint8)
+    raw = message.encode()[:4096]
+    text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else text[:0]
+    texts = torch.empty(comm.world_size * 4096, dtype=torch.uint8, device=_device(comm))
+    comm.all_gather(texts, text.to(_device(comm)))
+    rows = texts.view(comm.world_size, 4096).cpu()
+    lines = [f"rank {r}: " + bytes(rows[r].tolist()).rstrip(b"\0").decode() for r in failing]
+    raise AssertionError(f"{len(failing)} of {comm.world_size} ranks failed\n" + "\n".join(lines))
+
+
+def _device(comm) -> torch.device:
+    return getattr(comm, "device", torch.device("cpu"))
+
+
+def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol=0.0, atol=0.0) -> str:
+    """'' if close, else a line naming the tensor and its largest difference.
+
+    rtol = atol = 0 asks for exact equality (integer-valued data, same reduction order).
+    """
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return (
+            f"{name}: got shape {tuple(actual.shape)} {actual.dtype}, "
+            f"expected {tuple(expected.shape)} {expected.dtype}"
+        )
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    if a.dtype == torch.bool:
+        a, e = a.to(torch.int8), e.to(torch.int8)
+    if rtol == 0 and atol == 0:
+        if torch.equal(a, e):
+            return ""
+    elif torch.allclose(a.double(), e.double(), rtol=rtol, atol=atol, equal_nan=True):
+        return ""
+    diff = (a.double() - e.double()).abs()
+    worst = diff.nan_to_num(float("inf")).max().item() if diff.numel() else 0.0
+    return f"{name}: max |difference| {worst:.3g} (rtol={rtol:g}, atol={atol:g})"
+
+
+def check_all(comm, pairs: dict, rtol: float = 0.0, atol: float = 0.0, context: str = "") -> None:
+    """compare() every (actual, expected) pair by name, then combine the verdict across ranks."""
+    problems = [compare(name, a, e, rtol, atol) for name, (a, e) in pairs.items()]
+    problems = [p for p in problems if p]
+    verdict(comm, not problems, (context + ": " if context else "") + "; ".join(problems))
+
+
+# ---- shared hypothesis strategies --------------------------------------------------------
+
+ops = st.sampled_from(OPS)
+all_dtypes = st.sampled_from(
+    [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+     torch.int8, torch.uint8, torch.bool]
+)  # fmt: skip
+float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])
+seeds = st.integers(0, 2**31 - 1)
+
+
+def world_sizes(max_size: int = 8) -> st.SearchStrategy[int]:
+    return st.integers(1, max_size)
+
+
+def shapes(max_dims: int = 3, max_side: int = 9) -> st.SearchStrategy[tuple[int, ...]]:
+    """Awkward shapes: 0-d, empty, sides of 1, odd sides."""
+    return st.lists(st.integers(0, max_side), min_size=0, max_size=max_dims).map(tuple)
+
+
+def integer_valued(shape, dtype: torch.dtype, seed: int, rank: int = 0, low=-8, high=8):
+    """A tensor of small integers in `dtype`: sums of a few are exact in every dtype.
+
+    bool gets True/False, unsigned dtypes non-negative values; different per rank.
+    """
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype == torch.uint8 or dtype == torch.int8:
+        low, high = (0, 8) if dtype == torch.uint8 else (-4, 4)
+    return torch.randint(low, high, shape, generator=g).to(dtype)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
