@@ -21,6 +21,8 @@ stays in step across ranks.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import pickle
 import sys
@@ -127,6 +129,26 @@ def _worker(folder: str) -> None:
         os.path.join(folder, f"rank{comm.rank}.pkl.tmp"),
         os.path.join(folder, f"rank{comm.rank}.pkl"),
     )
+
+
+def impl(name: str):
+    """The module under test: `minidist.<name>`, or a learner's lab standing in for it.
+
+    `make lab L=NN` sets MINIDIST_IMPL_<NAME> (dots as underscores, e.g. MINIDIST_IMPL_COLLECTIVES
+    or MINIDIST_IMPL_COMM_THREADS) to the lesson's lab.py, so the same tests grade it. Call this
+    inside the test (inside the rank function for process tests: the variable travels with the
+    environment), never at import time.
+    """
+    path = os.environ.get("MINIDIST_IMPL_" + name.upper().replace(".", "_"))
+    if not path:
+        return importlib.import_module(f"minidist.{name}")
+    key = f"minidist_lab_{name.replace('.', '_')}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 # ---- verdicts and reports ----------------------------------------------------------------
