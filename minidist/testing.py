@@ -36,7 +36,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from .comm.protocol import OPS
-from .comm.threads import ThreadsWorld
 from .launch import launch
 
 PROCESS_BACKENDS = ("mpi", "gloo")
@@ -62,7 +61,8 @@ def run_ranks(fn, world_size: int, backend: str, *args, timeout: float = 120.0) 
 
 def run_threads(fn, world_size: int, *args, timeout: float = 60.0, comm_timeout=None) -> list:
     """Run fn(comm, *args) in world_size threads; raise with the first failure or a hang."""
-    world = ThreadsWorld(world_size, comm_timeout or max(timeout - 5, timeout / 2))
+    threads_backend = impl("comm.threads")  # a learner's lab 01 stands in when graded
+    world = threads_backend.ThreadsWorld(world_size, comm_timeout or max(timeout - 5, timeout / 2))
     results: list = [None] * world_size
     errors: dict[int, tuple[BaseException, str]] = {}
 
