@@ -59,11 +59,13 @@ class CheckedComm:
     def check(self, sig: str) -> None:
         """All-gather every rank's signature; if any differ, raise CollectiveMismatch on all."""
         self.n_collectives += 1
+        # lab 03.1 begin: all-gather the encoded signatures; if any differ, raise on every rank
         rows = torch.empty((self.world_size, SIG_BYTES), dtype=torch.uint8, device=self.device)
         self.inner.all_gather(rows, _encode(sig).to(self.device))
         sigs = [_decode(r) for r in rows.cpu()]
         if len(set(sigs)) > 1:
             raise CollectiveMismatch(mismatch_message(self, self.n_collectives, sigs))
+        # lab 03.1 end
 
     # point-to-point: a header message first, checked by the receiver at wait()
 
@@ -77,6 +79,7 @@ class CheckedComm:
         data_work = self.inner.irecv(t, src, tag)
 
         def check():
+            # lab 03.2 begin: compare the header (numel, dtype code) with t; CommError if not
             numel, code = head.tolist()
             dtype = _DTYPES[code] if code >= 0 else "an unknown dtype"
             if numel != t.numel() or dtype != t.dtype:
@@ -85,6 +88,7 @@ class CheckedComm:
                     f"{dtype}, this rank expects {t.numel()} x {t.dtype} "
                     f"(shape {tuple(t.shape)})"
                 )
+            # lab 03.2 end
 
         return CallbackWork(_Both(head_work, check, data_work), lambda: None)
 

@@ -151,6 +151,7 @@ class _RecvWork:
         return self.done or bool(box)
 
     def _complete(self) -> None:
+        # lab 01.2 begin: wait (world.wait) for the mailbox to hold a message, check it, copy it
         world, key = self.comm.world, (self.src, self.comm.rank, self.tag)
         with world.cond:
             box = world.mailbox.setdefault(key, deque())
@@ -164,6 +165,7 @@ class _RecvWork:
             )
         self.t.copy_(msg.reshape(self.t.shape))
         self.done = True
+        # lab 01.2 end
 
 
 class ThreadsComm:
@@ -188,10 +190,12 @@ class ThreadsComm:
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> DoneWork:
         check_peer(self, dst, "dst")
         self.seq += 1
+        # lab 01.1 begin: append a copy of t to the mailbox (self.rank, dst, tag), wake waiters
         msg = t.detach().clone()  # buffered: the sender may overwrite t right away
         with self.world.cond:
             self.world.mailbox.setdefault((self.rank, dst, tag), deque()).append(msg)
             self.world.cond.notify_all()
+        # lab 01.1 end
         return DoneWork()
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> _RecvWork:
