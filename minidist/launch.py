@@ -40,7 +40,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from .comm.checked import CheckedComm
-from .comm.protocol import DEFAULT_TIMEOUT
+from .comm.protocol import DEFAULT_TIMEOUT, PeerFailed
 from .comm.threads import ThreadsWorld
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
@@ -121,8 +121,9 @@ def _install_failure_hook(comm) -> None:
         sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in text.splitlines()))
         sys.stderr.flush()
         folder = os.environ.get("MINIDIST_FAILURE_DIR")
-        if folder:
-            with open(os.path.join(folder, f"rank{comm.rank}.txt"), "w") as f:
+        if folder:  # a PeerFailed is a consequence of another rank's failure: mark it so
+            suffix = "after" if isinstance(value, PeerFailed) else "txt"
+            with open(os.path.join(folder, f"rank{comm.rank}.{suffix}"), "w") as f:
                 f.write(text)
         if comm.backend == "mpi" and comm.world_size > 1:
             from mpi4py import MPI
@@ -222,16 +223,26 @@ def _watch(procs, n, backend, failures, timeout, done_marker) -> Outcome:
             running = [r for r in range(n) if done_marker is None or not done_marker(r)]
             return Outcome(1, still_running=running, timed_out=True)
         time.sleep(0.02)
+    if bad:  # a rank that failed *because* a peer died may exit first: let the cause report
+        end = time.monotonic() + 2
+        while time.monotonic() < end and not any(f.endswith(".txt") for f in os.listdir(failures)):
+            if all(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.02)
     _stop(procs)
     if not bad:
         return Outcome(0)
-    recorded = sorted(f for f in os.listdir(failures) if f.startswith("rank"))
-    if recorded:  # the rank that raised first left its traceback
-        first = min(recorded, key=lambda f: os.path.getmtime(os.path.join(failures, f)))
+    recorded = os.listdir(failures)
+    if recorded:  # the first rank that failed on its own (not because a peer died) is the cause
+        first = min(recorded, key=lambda f: (f.endswith(".after"), _mtime(failures, f)))
         with open(os.path.join(failures, first)) as f:
-            return Outcome(codes[bad[0]] or 1, int(first[4:-4]), f.read())
+            return Outcome(codes[bad[0]] or 1, int(first[4:].split(".")[0]), f.read())
     rank = bad[0] if backend != "mpi" else None
     return Outcome(_exit_code(codes[bad[0]]), rank)
+
+
+def _mtime(folder: str, name: str) -> float:
+    return os.path.getmtime(os.path.join(folder, name))
 
 
 def _exit_code(code: int) -> int:
@@ -281,7 +292,6 @@ def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Ou
         sys.argv = old_argv
     if not errors:
         return Outcome(0)
-    first = min(errors)  # the lowest failing rank; an aborted peer reports "aborted"
-    real = [r for r, tb in errors.items() if "aborted:" not in tb]
-    first = min(real) if real else first
+    real = [r for r, tb in errors.items() if "PeerFailed" not in tb]  # not woken by an abort
+    first = min(real) if real else min(errors)
     return Outcome(1, first, errors[first])

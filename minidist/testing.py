@@ -35,7 +35,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from .comm.protocol import OPS
+from .comm.protocol import OPS, PeerFailed
 from .launch import launch
 
 PROCESS_BACKENDS = ("mpi", "gloo")
@@ -48,6 +48,11 @@ RANK_SETTINGS = settings(
     print_blob=False,
     suppress_health_check=list(HealthCheck),
 )
+
+
+def rank_settings(max_examples: int = 20) -> settings:
+    """RANK_SETTINGS with a number of examples (hypothesis allows one settings decorator)."""
+    return settings(RANK_SETTINGS, max_examples=max_examples)
 
 
 def run_ranks(fn, world_size: int, backend: str, *args, timeout: float = 120.0) -> list:
@@ -85,7 +90,7 @@ def run_threads(fn, world_size: int, *args, timeout: float = 60.0, comm_timeout=
         raise AssertionError(f"timed out after {timeout:g}s; ranks still running: {running}")
     if errors:
         # report a rank that failed on its own, not one woken by the abort of another
-        own = [r for r, (e, _) in errors.items() if "aborted:" not in str(e)]
+        own = [r for r, (e, _) in errors.items() if not isinstance(e, PeerFailed)]
         r = min(own) if own else min(errors)
         e, tb = errors[r]
         if isinstance(e, AssertionError) and len(errors) == world_size:

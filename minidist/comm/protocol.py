@@ -40,6 +40,13 @@ class CommTimeout(CommError):
     """A blocking operation waited longer than the comm's timeout."""
 
 
+class PeerFailed(CommError):
+    """A peer died or closed its link, or the world was aborted: a consequence, not a cause.
+
+    Launchers report the rank whose error is *not* a PeerFailed: that one failed first.
+    """
+
+
 class CollectiveMismatch(CommError):
     """Ranks called different collectives, or the same one with different shapes or dtypes."""
 

@@ -32,6 +32,7 @@ from .protocol import (
     CommError,
     CommTimeout,
     DoneWork,
+    PeerFailed,
     check_gather,
     check_op,
     check_peer,
@@ -76,7 +77,7 @@ class ThreadsWorld:
         deadline = time.monotonic() + timeout
         while not ready():
             if self.aborted is not None:
-                raise CommError(f"{what()} aborted: {self.aborted}")
+                raise PeerFailed(f"{what()} aborted: {self.aborted}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CommTimeout(f"{what()} timed out after {timeout:g}s")
@@ -96,8 +97,8 @@ class _Slot:
 class _CollectiveWork:
     """Waits for all ranks at slot `seq`, then copies this rank's share of the result out."""
 
-    def __init__(self, comm: ThreadsComm, seq: int, name: str, finish: Callable):
-        self.comm, self.seq, self.name, self.finish = comm, seq, name, finish
+    def __init__(self, comm: ThreadsComm, slot: int, seq: int, name: str, finish: Callable):
+        self.comm, self.slot, self.seq, self.name, self.finish = comm, slot, seq, name, finish
         self.done = False
 
     def wait(self) -> None:
@@ -105,7 +106,7 @@ class _CollectiveWork:
             return
         world, p = self.comm.world, self.comm.world_size
         with world.cond:
-            slot = world.slots[self.seq]
+            slot = world.slots[self.slot]
 
             def arrived():
                 return all(s is not None for s in slot.sigs)
@@ -116,20 +117,20 @@ class _CollectiveWork:
 
             world.wait(arrived, what, self.comm.timeout)
             if len(set(slot.sigs)) > 1:
-                raise CollectiveMismatch(mismatch_message(self.comm, self.seq, slot.sigs))
+                raise CollectiveMismatch(mismatch_message(self.comm, self.slot + 1, slot.sigs))
             if slot.result is None:
                 slot.result = torch.stack([x.reshape(-1) for x in slot.inputs]) if p else None
             rows = slot.result  # (p, n): rank r's flattened input in row r
             slot.taken += 1
             if slot.taken == p:
-                del world.slots[self.seq]
+                del world.slots[self.slot]
         self.finish(rows)
         self.done = True
 
     def is_completed(self) -> bool:
         if self.done:
             return True
-        slot = self.comm.world.slots.get(self.seq)
+        slot = self.comm.world.slots.get(self.slot)
         return slot is not None and all(s is not None for s in slot.sigs)
 
 
@@ -223,7 +224,7 @@ class ThreadsComm:
             slot.inputs[self.rank] = inp.detach().clone()
             slot.sigs[self.rank] = sig
             self.world.cond.notify_all()
-        return _CollectiveWork(self, slot_id, name, finish)
+        return _CollectiveWork(self, slot_id, self.seq, name, finish)
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> _CollectiveWork:
         check_op(op, t.dtype)

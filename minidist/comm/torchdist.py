@@ -13,8 +13,10 @@ should end, which is what the launcher does).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,8 @@ from .protocol import (
     CallbackWork,
     CommError,
     CommTimeout,
+    DoneWork,
+    PeerFailed,
     check_gather,
     check_op,
     check_peer,
@@ -56,6 +60,9 @@ def init_process_group(
         # our own timeout fires first and names the operation; this one is the backstop
         timeout=datetime.timedelta(seconds=timeout + 30),
     )
+    # tear the groups down before the interpreter does: Gloo's threads, destroyed in arbitrary
+    # order at exit, otherwise crash the process now and then ("terminate called ...")
+    atexit.register(dist.destroy_process_group)
     return TorchDistComm(None, backend, device, timeout)
 
 
@@ -79,7 +86,7 @@ class _TorchWork:
             where = describe(self.comm, self.what, self.seq, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
                 raise CommTimeout(f"{where} timed out after {self.comm.timeout:g}s") from e
-            raise CommError(f"{where} failed: {e}") from e
+            raise PeerFailed(f"{where} failed: {e}") from e
         self.done = True
 
 
@@ -94,6 +101,7 @@ class TorchDistComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.seq = 0
+        self.to_self: dict[int, deque] = {}  # tag -> messages this rank sent to itself
 
     def __repr__(self) -> str:
         return f"TorchDistComm({self.backend}, rank={self.rank}, world_size={self.world_size})"
@@ -116,6 +124,9 @@ class TorchDistComm:
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> CallbackWork:
         check_peer(self, dst, "dst")
         self.seq += 1
+        if dst == self.rank:  # Gloo cannot send to itself: keep the message here
+            self.to_self.setdefault(tag, deque()).append(t.detach().clone())
+            return CallbackWork(DoneWork(), lambda: None)
         dense = self._dense(t).reshape(-1)  # 0-d tensors travel as one element
         work = dist.isend(dense, self._global(dst), group=self.group, tag=tag)
         return self._work(work, f"send(tag={tag})", dst)
@@ -123,9 +134,23 @@ class TorchDistComm:
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
         check_peer(self, src, "src")
         self.seq += 1
+        if src == self.rank:
+            return CallbackWork(DoneWork(), lambda: self._recv_self(t, tag, self.seq))
         dense = self._dense(t)
         work = dist.irecv(dense.reshape(-1), self._global(src), group=self.group, tag=tag)
         return self._work(work, f"recv(tag={tag})", src, self._back(dense, t))
+
+    def _recv_self(self, t: torch.Tensor, tag: int, seq: int) -> None:
+        box = self.to_self.get(tag)
+        if not box:  # nothing can arrive later: only this rank sends to itself
+            raise CommError(f"{describe(self, f'recv(tag={tag})', seq, self.rank)}: no message")
+        msg = box.popleft()
+        if msg.numel() != t.numel() or msg.dtype != t.dtype:
+            raise CommError(
+                f"{describe(self, 'recv', seq, self.rank)}: the message holds "
+                f"{msg.numel()} x {msg.dtype}, the buffer {t.numel()} x {t.dtype}"
+            )
+        t.copy_(msg.reshape(t.shape))
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(t, dst, tag).wait()
