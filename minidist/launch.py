@@ -118,7 +118,11 @@ def _install_failure_hook(comm) -> None:
 
     def hook(kind, value, tb):
         text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in text.splitlines()))
+        if isinstance(value, PeerFailed):  # a consequence: one line, the cause is reported
+            shown = f"{kind.__name__}: {value}"
+        else:
+            shown = text
+        sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in shown.splitlines()))
         sys.stderr.flush()
         folder = os.environ.get("MINIDIST_FAILURE_DIR")
         if folder:  # a PeerFailed is a consequence of another rank's failure: mark it so
@@ -132,6 +136,10 @@ def _install_failure_hook(comm) -> None:
         os._exit(1)  # do not wait in atexit handlers for peers that will never answer
 
     sys.excepthook = hook
+    folder = os.environ.get("MINIDIST_FAILURE_DIR")
+    if folder:  # so the launcher can tell which mpiexec child ended first
+        with open(os.path.join(folder, f"rank{comm.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
 
 
 # ---- the launcher ------------------------------------------------------------------------
@@ -213,8 +221,10 @@ def launch(
 def _watch(procs, n, backend, failures, timeout, done_marker) -> Outcome:
     """Poll the processes; on the first failure (or the deadline) stop them all."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    ended: list[int] = []  # ranks whose process ended, in the order we saw it
     while True:
         codes = [p.poll() for p in procs]
+        _note_ended(procs, codes, backend, failures, ended)
         bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if bad or all(c == 0 for c in codes):
             break
@@ -225,20 +235,63 @@ def _watch(procs, n, backend, failures, timeout, done_marker) -> Outcome:
         time.sleep(0.02)
     if bad:  # a rank that failed *because* a peer died may exit first: let the cause report
         end = time.monotonic() + 2
-        while time.monotonic() < end and not any(f.endswith(".txt") for f in os.listdir(failures)):
+        while time.monotonic() < end and not _listing(failures, ".txt"):
             if all(p.poll() is not None for p in procs):
                 break
             time.sleep(0.02)
     _stop(procs)
     if not bad:
         return Outcome(0)
-    recorded = os.listdir(failures)
-    if recorded:  # the first rank that failed on its own (not because a peer died) is the cause
-        first = min(recorded, key=lambda f: (f.endswith(".after"), _mtime(failures, f)))
-        with open(os.path.join(failures, first)) as f:
-            return Outcome(codes[bad[0]] or 1, int(first[4:].split(".")[0]), f.read())
-    rank = bad[0] if backend != "mpi" else None
-    return Outcome(_exit_code(codes[bad[0]]), rank)
+    return _blame(failures, ended, [p.returncode for p in procs], bad, backend)
+
+
+def _note_ended(procs, codes, backend, failures, ended: list[int]) -> None:
+    """Append newly ended ranks: from exit codes (gloo) or vanished pids (mpi: ranks are
+    mpiexec's children, so each rank leaves its pid in the failures folder at init)."""
+    if backend != "mpi":
+        ended += [r for r, c in enumerate(codes) if c is not None and r not in ended]
+        return
+    for name in _listing(failures, ".pid"):
+        rank = int(name[4:-4])
+        if rank not in ended and not _alive(int(open(os.path.join(failures, name)).read())):
+            ended.append(rank)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _blame(failures, ended, codes, bad, backend) -> Outcome:
+    """Which rank failed first, on its own: a traceback of its own beats a rank that died
+    without one (killed), which beats a rank that only saw its peer die (PeerFailed)."""
+    code = _exit_code(codes[bad[0]])
+    own = _listing(failures, ".txt")
+    if own:
+        first = min(own, key=lambda f: _mtime(failures, f))
+        return Outcome(code, int(first[4:-4]), _read(failures, first))
+    after = {int(f[4:-6]) for f in _listing(failures, ".after")}
+    silent = [r for r in ended if r not in after and (backend == "mpi" or codes[r] != 0)]
+    if silent:
+        signal_no = -codes[silent[0]] if backend != "mpi" and codes[silent[0]] < 0 else None
+        how = f"killed by signal {signal_no}" if signal_no else "it ended without one (killed?)"
+        return Outcome(code, silent[0], f"(no traceback: {how})\n")
+    if after:
+        first = min(after, key=lambda r: _mtime(failures, f"rank{r}.after"))
+        return Outcome(code, first, _read(failures, f"rank{first}.after"))
+    return Outcome(code, bad[0] if backend != "mpi" else None)
+
+
+def _listing(folder: str, suffix: str) -> list[str]:
+    return [f for f in os.listdir(folder) if f.endswith(suffix)]
+
+
+def _read(folder: str, name: str) -> str:
+    with open(os.path.join(folder, name)) as f:
+        return f.read()
 
 
 def _mtime(folder: str, name: str) -> float:

@@ -20,6 +20,7 @@ from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_t
 from minidist.testing import (
     all_dtypes,
     check_all,
+    impl,
     integer_valued,
     ops,
     rank_settings,
@@ -303,9 +304,7 @@ def test_comm_properties_processes(backend):
 
 def failures_in_ranks(comm) -> list[str]:
     """Mismatch detection (debug mode) and bad input over real processes."""
-    from minidist.comm.checked import CheckedComm
-
-    checked = CheckedComm(comm)
+    checked = impl("comm.checked").CheckedComm(comm)
     shape = (4,) if comm.rank == 0 else (5,)
     try:
         checked.all_reduce(torch.zeros(shape))

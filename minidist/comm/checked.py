@@ -77,6 +77,7 @@ class CheckedComm:
         head = torch.empty(2, dtype=torch.int64, device=self.device)
         head_work = self.inner.irecv(head, src, tag)
         data_work = self.inner.irecv(t, src, tag)
+        seq = getattr(self.inner, "seq", 0)  # the data receive's number on the inner comm
 
         def check():
             # lab 03.2 begin: compare the header (numel, dtype code) with t; CommError if not
@@ -84,7 +85,7 @@ class CheckedComm:
             dtype = _DTYPES[code] if code >= 0 else "an unknown dtype"
             if numel != t.numel() or dtype != t.dtype:
                 raise CommError(
-                    f"{describe(self, f'recv(tag={tag})', 0, src)}: rank {src} sent {numel} x "
+                    f"{describe(self, f'recv(tag={tag})', seq, src)}: rank {src} sent {numel} x "
                     f"{dtype}, this rank expects {t.numel()} x {t.dtype} "
                     f"(shape {tuple(t.shape)})"
                 )
