@@ -68,11 +68,11 @@ def valid(op: str, dtype: torch.dtype) -> bool:
 # ---- the property functions, run on every rank of any backend -------------------------------
 
 
-def p2p_ring(comm, shape, dtype, seed, blocking: bool) -> None:
+def p2p_ring(comm, shape, dtype, seed, blocking: bool, device="cpu") -> None:
     """Each rank sends its tensor to the right and receives the left one's; non-contiguous."""
     p, r = comm.world_size, comm.rank
-    mine = strided(integer_valued(shape, dtype, seed, rank=r))
-    got = strided(torch.zeros(shape, dtype=dtype))
+    mine = strided(integer_valued(shape, dtype, seed, rank=r).to(device))
+    got = strided(torch.zeros(shape, dtype=dtype, device=device))
     right, left = (r + 1) % p, (r - 1) % p
     if blocking and p > 1:
         # even ranks send first: with blocking rendezvous sends the other order deadlocks
@@ -91,10 +91,10 @@ def p2p_ring(comm, shape, dtype, seed, blocking: bool) -> None:
     check_all(comm, {f"recv from {left}": (got, want)}, context=f"p2p {shape} {dtype}")
 
 
-def collectives_once(comm, shape, dtype, op, seed) -> None:
+def collectives_once(comm, shape, dtype, op, seed, device="cpu") -> None:
     """all_reduce, reduce_scatter, all_gather, broadcast (blocking and async) vs expected."""
     p, r = comm.world_size, comm.rank
-    xs = inputs(shape, dtype, seed, p)
+    xs = [x.to(device) for x in inputs(shape, dtype, seed, p)]
     checks = {}
     if valid(op, dtype):
         t = strided(xs[r].clone())
@@ -103,11 +103,11 @@ def collectives_once(comm, shape, dtype, op, seed) -> None:
         t2 = xs[r].clone()
         comm.iall_reduce(t2, op).wait()
         checks["iall_reduce"] = (t2, expected_reduce(xs, op))
-        big = inputs((p, *shape), dtype, seed + 1, p)  # reduce_scatter: p chunks per rank
-        out = torch.empty(shape, dtype=dtype)
+        big = [b.to(device) for b in inputs((p, *shape), dtype, seed + 1, p)]  # p chunks each
+        out = torch.empty(shape, dtype=dtype, device=device)
         comm.reduce_scatter(out, strided(big[r]), op)
         checks["reduce_scatter"] = (out, expected_reduce([b[r] for b in big], op))
-    gathered = strided(torch.empty((p, *shape), dtype=dtype))
+    gathered = strided(torch.empty((p, *shape), dtype=dtype, device=device))
     comm.iall_gather(gathered, strided(xs[r])).wait()
     checks["all_gather"] = (gathered, torch.stack(xs))
     src = seed % p
