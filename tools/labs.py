@@ -44,6 +44,13 @@ LABS = {
         "grade": ["tests/test_comm.py", "-m", "threads"],
         "probe": ["tests/test_comm.py", "-m", "threads", "-k", "p2p_ring"],
     },
+    "03": {
+        "folder": "lessons/03_debugging_hangs",
+        "module": "minidist/comm/checked.py",
+        "impl": "comm.checked",
+        "grade": ["tests/test_debug.py", "-m", "threads"],
+        "probe": ["tests/test_debug.py", "-m", "threads"],
+    },
 }
 
 BEGIN = re.compile(r"^(?P<indent>[ ]*)# lab (?P<id>\d\d\.\d+) begin: (?P<hint>\S.*?)\s*$")
@@ -227,7 +234,11 @@ class _Outcomes:
 def _probe(lesson: str, cut: set[str]) -> _Outcomes:
     """Run the lesson's probe tests, in this process, against a lab with `cut` regions cut."""
     import pytest
+    from hypothesis import Phase, settings
 
+    # a deliberately broken lab: no shrinking its failures, nor keeping them for later runs
+    settings.register_profile("labs-probe", database=None, phases=[Phase.explicit, Phase.generate])
+    settings.load_profile("labs-probe")
     folder = tempfile.mkdtemp(prefix="minidist-lab-")
     path = os.path.join(folder, "lab.py")
     with open(path, "w") as f:
