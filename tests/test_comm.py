@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.protocol import CollectiveMismatch
+from minidist.comm.threads import ThreadsWorld
+from minidist.comm.torchdist import init_process_group
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.testing import (
     all_dtypes,
@@ -165,6 +167,18 @@ def bad_inputs(comm) -> list[str]:
             call()
         errors.append(str(e.value))
     return errors
+
+
+@pytest.mark.pure
+def test_bad_world_and_rank_are_refused():
+    with pytest.raises(ValueError, match="world_size=0 must be at least 1"):
+        ThreadsWorld(0)
+    with pytest.raises(ValueError, match="rank=4 is out of range for world_size=4"):
+        ThreadsWorld(4).comm(4)
+    with pytest.raises(ValueError, match="rank=2 is out of range for world_size=2"):
+        init_process_group("gloo", 2, 2, "127.0.0.1", 1, 1.0)
+    with pytest.raises(ValueError, match="backend='mpi' is not 'gloo' or 'nccl'"):
+        init_process_group("mpi", 0, 2, "127.0.0.1", 1, 1.0)
 
 
 @pytest.mark.threads

@@ -52,14 +52,23 @@ def init_process_group(
             raise RuntimeError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world_size,
-        # our own timeout fires first and names the operation; this one is the backstop
-        timeout=datetime.timedelta(seconds=timeout + 30),
-    )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world_size,
+            # our own timeout fires first and names the operation; this one is the backstop
+            timeout=datetime.timedelta(seconds=timeout + 30),
+        )
+    except RuntimeError as e:  # torch raises DistStoreError, a RuntimeError, after the timeout
+        raise CommTimeout(
+            f"rank {rank} of {world_size} ({backend}): rendezvous at tcp://{addr}:{port} failed "
+            f"({e}). Are all WORLD_SIZE={world_size} ranks started, with the same MASTER_ADDR "
+            f"and MASTER_PORT?"
+        ) from e
     # tear the groups down before the interpreter does: Gloo's threads, destroyed in arbitrary
     # order at exit, otherwise crash the process now and then ("terminate called ...")
     atexit.register(dist.destroy_process_group)
