@@ -13,7 +13,7 @@ Bubble (idle / total, simulated, t_b = 2 t_f): GPipe, 1F1B (p-1)/(m+p-1); interl
 (p-1)/(3*m+p-1) (t_F = t_B = t_W, m >= p).
 Paper: GPipe (Huang et al. 2019); 1F1B, PipeDream-Flush (Narayanan et al. 2021a); interleaved 1F1B
 (Narayanan et al. 2021b, Megatron-LM, sec. 2.2); Zero Bubble (Qi et al. 2023, sec. 2, ZB-H1).
-Lesson: lessons/05_pipeline/.   Run: minidist schedule --schedule 1f1b --stages 4 --microbatches 8
+Lesson: lessons/06_pipeline/.   Run: minidist schedule --schedule 1f1b --stages 4 --microbatches 8
 """
 
 from __future__ import annotations
