@@ -71,6 +71,7 @@ def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be at least 1")
+    # lab 04.1 begin: walk nbytes in order, close a bucket once it holds >= bucket_bytes
     buckets, current, filled = [], [], 0
     for i, n in enumerate(nbytes):
         current.append(i)
@@ -81,6 +82,7 @@ def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+    # lab 04.1 end
 
 
 class _Launcher:
@@ -98,16 +100,18 @@ class _Launcher:
         if self.pool is None:
             return self.comm.iall_reduce(flat, "sum")
         future = self.pool.submit(ring_all_reduce, flat, self.comm, "sum")
-        future.wait = future.result  # the Work protocol
+        future.wait, future.is_completed = future.result, future.done  # the Work protocol
         return future
 
 
 def _used_and_average(flat: torch.Tensor, params: list, views: list, p: int) -> None:
     """After the all-reduce of [grads..., flags...]: average the grads; a parameter whose flag
     sums to 0 was unused on every rank and keeps grad None."""
+    # lab 04.3 begin: flags = the last P elements; divide each used view by p, else grad None
     flags = flat[len(flat) - len(params) :]  # (P,) how many ranks produced each gradient
     for param, view, used in zip(params, views, flags.tolist(), strict=True):
         param.grad = view.div_(p).view_as(param) if used > 0 else None
+    # lab 04.3 end
 
 
 class DataParallelNaive(nn.Module):
@@ -227,15 +231,21 @@ class DataParallelBucketed(nn.Module):
         _copy_grad(param, bucket.views[i])
         bucket.ready[i] = True
         self._launch_ready(all_remaining=False)
+        for launched in self.buckets[: self.next_launch]:
+            # MPI advances a non-blocking collective only inside MPI calls: poke the ones in
+            # flight, so they progress during backward instead of all at the final wait
+            launched.work.is_completed()
 
     def _launch_ready(self, all_remaining: bool) -> None:
         """Launch buckets in order while the next one is full (or all, at the end)."""
+        # lab 04.2 begin: launch bucket next_launch while it is full (or all_remaining), in order
         while self.next_launch < len(self.buckets):
             bucket = self.buckets[self.next_launch]
             if not (all_remaining or all(bucket.ready)):
                 return
             bucket.launch(self.launcher)
             self.next_launch += 1
+        # lab 04.2 end
 
     def finish_gradient_sync(self) -> None:
         """Launch what is left, wait for every bucket, and leave averaged gradients in .grad."""

@@ -122,21 +122,24 @@ def describe(comm, what: str, seq: int, peer: int | None = None) -> str:
 
 
 def poll_until(done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
-    """Spin on `done()` (then sleep with backoff) until it is true; CommTimeout after `timeout`.
+    """Poll `done()` until it is true; CommTimeout after `timeout` seconds.
 
-    Busy spinning first keeps small-message latency low; the backoff stops an oversubscribed
-    machine (more ranks than cores) from burning the core the peer needs.
+    Three phases. Spin: small messages complete within microseconds. Then yield (sleep(0))
+    between polls for up to 50 ms: MPI advances a non-blocking operation only while it is
+    polled, so long sleeps would stall every round of a large collective, while yielding
+    still lets a peer that shares this core run. Then back off to 1 ms sleeps: a long wait
+    (a straggler, a hang on its way to the timeout) should not burn a core.
     """
     for _ in range(200):
         if done():
             return
-    deadline = time.monotonic() + timeout
-    pause = 1e-6
+    start = time.monotonic()
+    deadline, patient = start + timeout, start + 0.05
     while not done():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise CommTimeout(f"{what()} timed out after {timeout:g}s")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        time.sleep(0 if now < patient else 1e-3)
 
 
 def check_peer(comm, peer: int, name: str) -> None:
