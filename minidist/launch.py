@@ -106,7 +106,10 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
         from .comm import torchdist
 
         rank, world, addr, port = _torch_env()
-        comm = torchdist.init_process_group(backend, rank, world, addr, port, timeout)
+        local_rank = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank
+        comm = torchdist.init_process_group(
+            backend, rank, world, addr, port, timeout, int(local_rank)
+        )
     if backend != "threads":
         _install_failure_hook(comm)
     return CheckedComm(comm) if debug else comm

@@ -41,16 +41,26 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def init_process_group(
-    backend: str, rank: int, world_size: int, addr: str, port: int, timeout: float
+    backend: str,
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    timeout: float,
+    local_rank: int | None = None,
 ) -> TorchDistComm:
-    """Join the default process group over TCP at addr:port and return the world comm."""
+    """Join the default process group over TCP at addr:port and return the world comm.
+
+    nccl: this process drives GPU local_rank (its rank among the ranks of its machine).
+    """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not 'gloo' or 'nccl'")
     device = torch.device("cpu")
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        local = rank if local_rank is None else local_rank
+        device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
