@@ -32,10 +32,19 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_run)
 
 
+def _add_bench(sub) -> None:
+    from . import bench  # the flags live beside the benchmark, which every rank parses too
+
+    p = sub.add_parser("bench", help="nccl-tests style tables: hand-written vs library")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.main)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minidist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

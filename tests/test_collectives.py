@@ -1,0 +1,351 @@
+"""The hand-written collectives (minidist/collectives.py), exactly, on every backend.
+
+Every rank rebuilds every rank's input from one seed (integer-valued, so any order of additions
+gives the exact result in every dtype), computes the expected result itself with plain torch,
+and the verdict is combined across ranks. Inputs are laid out non-contiguously in half the
+examples, inside a larger buffer whose other elements must come back untouched. The module is
+fetched with impl("collectives") inside each rank, so `make lab L=02` grades a learner's file.
+Tiers: threads (world sizes 1..8, many examples), processes (4 mpi or gloo processes started
+once per test, world sizes 1..4 by splitting). Byte counts are checked against the formulas in
+the module docstring. Speed is measured by `minidist bench`, never asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.testing import (
+    RANK_SETTINGS,
+    all_dtypes,
+    check_all,
+    impl,
+    integer_valued,
+    ops,
+    run_ranks,
+    run_threads,
+    seeds,
+    shapes,
+    verdict,
+)
+
+ALL_REDUCE = ("naive", "recursive_doubling", "ring", "auto")
+# threads tier: an operation that waits 4 s is a deadlock (a correct one takes milliseconds);
+# failing fast matters because hypothesis reruns a failing case many times while shrinking
+FAST = {"timeout": 20, "comm_timeout": 4}
+
+# ---- what every rank computes itself: inputs, layouts, expected results ------------------
+
+
+def bounds(n: int, p: int, i: int) -> tuple[int, int]:
+    """Chunk i of n elements over p ranks, as documented: [i*n//p, (i+1)*n//p)."""
+    return i * n // p, (i + 1) * n // p
+
+
+def placed(t: torch.Tensor, strided: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view, base): t's values in a fresh buffer; if strided, every other element of a buffer
+    twice as large (a non-contiguous view), the elements in between set to a sentinel."""
+    if not strided:
+        base = t.clone()
+        return base, base
+    base = torch.stack([t, torch.ones_like(t)], dim=-1)  # (..., 2): [..., 1] must stay 1
+    return base[..., 0], base
+
+
+def untouched(base: torch.Tensor, strided: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sentinel elements of a strided buffer, paired with what they must still be."""
+    gaps = base[..., 1] if strided else base.new_ones(())
+    return gaps, torch.ones_like(gaps)
+
+
+def reduce_expected(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The reduction of all ranks' tensors: exact in float64 (small integers), then one cast."""
+    wide = torch.stack([x.to(torch.float64) for x in xs])  # (p, ...)
+    if op in ("sum", "avg"):
+        out = wide.sum(0)
+    elif wide.numel() == 0:
+        out = wide.sum(0)  # amax/amin refuse empty inputs; the result is empty anyway
+    else:
+        out = wide.amax(0) if op == "max" else wide.amin(0)
+    if xs[0].dtype == torch.bool:
+        return out.bool()  # sum and max: any rank True; min: every rank True
+    out = out.to(xs[0].dtype)  # exact: small integers fit every dtype
+    return out / len(xs) if op == "avg" else out  # "avg": one division of the exact sum
+
+
+def valid(op: str, dtype: torch.dtype) -> bool:
+    return op != "avg" or dtype.is_floating_point
+
+
+def refuses(call) -> str:
+    """'' if call() raises ValueError (a bad op for the dtype), else what went wrong."""
+    try:
+        call()
+    except ValueError:
+        return ""
+    return "accepted an invalid op/dtype"
+
+
+# ---- the property functions, run on every rank of any backend -----------------------------
+
+
+def all_reduce_case(comm, algorithm, op, dtype, shape, seed, strided) -> None:
+    """all_reduce(algorithm) of every rank's input, in place, equals the reduction of all."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    xs = [integer_valued(shape, dtype, seed, rank=i) for i in range(p)]
+    x, base = placed(xs[r], strided)
+    context = f"all_reduce {algorithm} p={p} {shape} {dtype} op={op} strided={strided}"
+    if not valid(op, dtype):
+        problem = refuses(lambda: C.all_reduce(x, comm, op, algorithm))
+        return verdict(comm, not problem, f"{context}: {problem}")
+    out = C.all_reduce(x, comm, op, algorithm)
+    want = reduce_expected(xs, op)
+    pairs = {"in place": (x, want), "returned": (out, want), "gaps": untouched(base, strided)}
+    check_all(comm, pairs, context=context)
+
+
+def reduce_scatter_case(comm, op, dtype, shape, seed, strided) -> None:
+    """ring_reduce_scatter: rank r gets chunk r (uneven sizes allowed) of the reduction."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    xs = [integer_valued(shape, dtype, seed, rank=i) for i in range(p)]
+    n = xs[0].numel()
+    lo, hi = bounds(n, p, r)
+    inp, inp_base = placed(xs[r], strided)
+    out, out_base = placed(torch.zeros(hi - lo, dtype=dtype), strided)
+    context = f"ring_reduce_scatter p={p} {shape} {dtype} op={op} strided={strided}"
+    if not valid(op, dtype):
+        problem = refuses(lambda: C.ring_reduce_scatter(out, inp, comm, op))
+        return verdict(comm, not problem, f"{context}: {problem}")
+    got = C.ring_reduce_scatter(out, inp, comm, op)
+    want = reduce_expected([x.reshape(-1)[lo:hi] for x in xs], op)
+    pairs = {
+        f"chunk [{lo}:{hi}]": (out, want),
+        "returned": (got, want),
+        "input unchanged": (inp, xs[r]),
+        "gaps": untouched(out_base, strided),
+        "input gaps": untouched(inp_base, strided),
+    }
+    check_all(comm, pairs, context=context)
+
+
+def all_gather_case(comm, dtype, shape, seed, strided) -> None:
+    """ring_all_gather: everyone gets every rank's chunk in rank order (uneven sizes allowed)."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    full = integer_valued(shape, dtype, seed)  # the gathered result; rank i holds chunk i
+    lo, hi = bounds(full.numel(), p, r)
+    inp, _ = placed(full.reshape(-1)[lo:hi], strided)
+    out, base = placed(torch.zeros(shape, dtype=dtype), strided)
+    got = C.ring_all_gather(out, inp, comm)
+    pairs = {"out": (out, full), "returned": (got, full), "gaps": untouched(base, strided)}
+    check_all(comm, pairs, context=f"ring_all_gather p={p} {shape} {dtype} strided={strided}")
+
+
+def broadcast_case(comm, dtype, shape, seed, strided) -> None:
+    """broadcast from src = seed % p: everyone ends with src's tensor."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    src = seed % p
+    x, base = placed(integer_valued(shape, dtype, seed, rank=r), strided)
+    got = C.broadcast(x, comm, src)
+    want = integer_valued(shape, dtype, seed, rank=src)
+    pairs = {"in place": (x, want), "returned": (got, want), "gaps": untouched(base, strided)}
+    check_all(comm, pairs, context=f"broadcast from {src} p={p} {shape} {dtype}")
+
+
+# ---- tier 1: threads, world sizes 1..8 ---------------------------------------------------
+
+layouts = st.booleans()  # strided or not
+
+
+@pytest.mark.threads
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.sampled_from(ALL_REDUCE), ops, all_dtypes, shapes(), seeds, layouts)
+def test_all_reduce_threads(p, algorithm, op, dtype, shape, seed, strided):
+    run_threads(all_reduce_case, p, algorithm, op, dtype, shape, seed, strided, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), ops, all_dtypes, shapes(), seeds, layouts)
+def test_ring_reduce_scatter_threads(p, op, dtype, shape, seed, strided):
+    run_threads(reduce_scatter_case, p, op, dtype, shape, seed, strided, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 8), all_dtypes, shapes(), seeds, layouts)
+def test_ring_all_gather_threads(p, dtype, shape, seed, strided):
+    run_threads(all_gather_case, p, dtype, shape, seed, strided, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 8), all_dtypes, shapes(), seeds, layouts)
+def test_broadcast_threads(p, dtype, shape, seed, strided):
+    run_threads(broadcast_case, p, dtype, shape, seed, strided, **FAST)
+
+
+def mirrors_library(comm, n_per_rank: int) -> None:
+    """When p divides N, the ring collectives give what comm.reduce_scatter/all_gather give."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    inp = integer_valued((p * n_per_rank,), torch.float32, 7, rank=r)
+    ours, lib = torch.empty(n_per_rank), torch.empty(n_per_rank)
+    C.ring_reduce_scatter(ours, inp, comm, "sum")
+    comm.reduce_scatter(lib, inp, "sum")
+    gathered, lib_gathered = torch.empty(p * n_per_rank), torch.empty(p * n_per_rank)
+    C.ring_all_gather(gathered, ours, comm)
+    comm.all_gather(lib_gathered, lib)
+    check_all(comm, {"reduce_scatter": (ours, lib), "all_gather": (gathered, lib_gathered)})
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 3, 4])
+def test_ring_mirrors_library_semantics(p):
+    run_threads(mirrors_library, p, 5)
+
+
+def bad_arguments(comm) -> list[str]:
+    """The ValueError message of each bad call (every rank makes the same bad calls)."""
+    C = impl("collectives")
+    calls = [
+        lambda: C.all_reduce(torch.ones(3), comm, "mean"),
+        lambda: C.all_reduce(torch.ones(3, dtype=torch.int32), comm, "avg", "ring"),
+        lambda: C.all_reduce(torch.ones(3), comm, "sum", "tree"),
+        lambda: C.ring_reduce_scatter(torch.empty(2), torch.ones(9), comm),
+        lambda: C.ring_all_gather(torch.empty(9), torch.ones(4), comm),
+        lambda: C.broadcast(torch.ones(3), comm, 5),
+    ]
+    messages = []
+    for call in calls:
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.threads
+def test_bad_arguments_name_the_numbers():
+    for messages in run_threads(bad_arguments, 3):
+        mean, avg_int, tree, rs, ag, src = messages
+        assert "'mean'" in mean
+        assert "avg" in avg_int and "int32" in avg_int
+        assert "'tree'" in tree
+        assert "3 x torch.float32" in rs and "got 2" in rs and "world_size=3" in rs, rs
+        assert "3 x torch.float32" in ag and "got 4" in ag, ag
+        assert "src=5" in src and "world_size=3" in src
+
+
+# ---- byte accounting: every p2p byte counted, against the module docstring's formulas ----
+
+
+def counted(comm, what: str, n: int) -> dict:
+    """Run one collective on a counting comm; this rank's message and byte tallies."""
+    C = impl("collectives")
+    counter = Counter()
+    observed = ObservedComm(comm, counter)
+    x = torch.ones(n, dtype=torch.float32)
+    if what == "broadcast":
+        C.broadcast(x, observed, 0)
+    else:
+        C.all_reduce(x, observed, "sum", what)
+    return {"sent_to": dict(counter.sent_to), "messages_to": dict(counter.messages_to)}
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", range(1, 9))
+def test_ring_sends_2_p_minus_1_over_p_of_the_bytes_to_the_right_only(p):
+    n = 12 * p  # divisible by p: 2 (p-1) chunks of 12 float32s
+    for r, tally in enumerate(run_threads(counted, p, "ring", n)):
+        right = (r + 1) % p
+        expected = {} if p == 1 else {right: 2 * (p - 1) * n * 4 // p}
+        assert tally["sent_to"] == expected, f"rank {r}"
+        assert tally["messages_to"] == ({} if p == 1 else {right: 2 * (p - 1)}), f"rank {r}"
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", range(1, 9))
+def test_recursive_doubling_message_counts(p):
+    n = 10
+    q = 1 << (p.bit_length() - 1)  # the largest power of two <= p
+    e, rounds = p - q, q.bit_length() - 1
+    for r, tally in enumerate(run_threads(counted, p, "recursive_doubling", n)):
+        if r < 2 * e:  # paired: even sends its data in; odd also sends the result back
+            want = 1 if r % 2 == 0 else rounds + 1
+        else:
+            want = rounds
+        assert sum(tally["messages_to"].values()) == want, f"rank {r}: {tally}"
+        assert sum(tally["sent_to"].values()) == want * n * 4, f"rank {r}"
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", range(1, 9))
+def test_naive_and_broadcast_message_counts(p):
+    naive = run_threads(counted, p, "naive", 6)
+    assert naive[0]["messages_to"] == {dst: 1 for dst in range(1, p)}
+    assert all(t["messages_to"] == {0: 1} for t in naive[1:])
+    tree = run_threads(counted, p, "broadcast", 6)
+    assert sum(sum(t["messages_to"].values()) for t in tree) == p - 1
+    assert sum(tree[0]["messages_to"].values()) == (p - 1).bit_length()  # ceil(log2 p) rounds
+
+
+@pytest.mark.threads
+def test_auto_picks_recursive_doubling_below_the_threshold_and_the_ring_above():
+    C = impl("collectives")
+    n_small = C.RING_FROM_BYTES // 4 - 4  # float32 elements just below / at the threshold
+    small = run_threads(counted, 4, "auto", n_small)
+    large = run_threads(counted, 4, "auto", C.RING_FROM_BYTES // 4)
+    assert all(sum(t["messages_to"].values()) == 2 for t in small)  # log2(4) exchanges
+    assert all(t["messages_to"] == {(r + 1) % 4: 6} for r, t in enumerate(large))  # 2 (p-1)
+
+
+# ---- tier 2: real processes, started once per test -----------------------------------------
+
+
+def properties_in_ranks(comm, max_examples: int) -> int:
+    """Hypothesis inside every rank (the same cases everywhere); world sizes 1..p by splitting.
+
+    Each example runs every collective (all four all-reduce algorithms) on a sub-world of k
+    ranks. Its verdict, or the error a rank raised, is folded into one over the whole world, so
+    every rank passes or fails each example together and hypothesis stays in step.
+    """
+    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
+    for sub in subs.values():
+        sub.timeout = 15.0  # a correct case takes milliseconds: fail a deadlock fast
+    examples = [0]
+
+    # no shrinking: a failing case may cost a timeout per try; the threads tier shrinks
+    @settings(RANK_SETTINGS, max_examples=max_examples, phases=[Phase.generate])
+    @given(st.integers(1, comm.world_size), ops, all_dtypes, shapes(max_side=5), seeds, layouts)
+    def prop(k, op, dtype, shape, seed, strided):
+        examples[0] += 1
+        problem = ""
+        if comm.rank < k:  # the ranks outside the sub-world sit this example out
+            sub = subs[k]
+            try:
+                for algorithm in ALL_REDUCE:
+                    all_reduce_case(sub, algorithm, op, dtype, shape, seed, strided)
+                reduce_scatter_case(sub, op, dtype, shape, seed, strided)
+                all_gather_case(sub, dtype, shape, seed, strided)
+                broadcast_case(sub, dtype, shape, seed, strided)
+            except Exception as e:  # reported through the verdict below
+                problem = f"{type(e).__name__}: {e}"
+        verdict(comm, not problem, problem)
+
+    prop()
+    return examples[0]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_collectives_processes(backend):
+    counts = run_ranks(properties_in_ranks, 4, backend, 25, timeout=240)
+    assert counts == [25] * 4  # every rank ran the same cases
