@@ -44,12 +44,26 @@ LABS = {
         "grade": ["tests/test_comm.py", "-m", "threads"],
         "probe": ["tests/test_comm.py", "-m", "threads", "-k", "p2p_ring"],
     },
+    "02": {
+        "folder": "lessons/02_collectives",
+        "module": "minidist/collectives.py",
+        "impl": "collectives",
+        "grade": ["tests/test_collectives.py", "-m", "threads"],
+        "probe": ["tests/test_collectives.py", "-m", "threads", "-k", "message_counts or right"],
+    },
     "03": {
         "folder": "lessons/03_debugging_hangs",
         "module": "minidist/comm/checked.py",
         "impl": "comm.checked",
         "grade": ["tests/test_debug.py", "-m", "threads"],
         "probe": ["tests/test_debug.py", "-m", "threads"],
+    },
+    "04": {
+        "folder": "lessons/04_data_parallel",
+        "module": "minidist/data_parallel.py",
+        "impl": "data_parallel",
+        "grade": ["tests/test_data_parallel.py", "-m", "not processes"],
+        "probe": ["tests/test_data_parallel.py", "-m", "not processes"],
     },
 }
 
@@ -122,6 +136,8 @@ def _absolute(line: str, package: list[str]) -> str:
     head, names = f"{m['indent']}from {target} import ", line[m.end() :]
     if len(head + names) <= LINE_LENGTH or names.strip().startswith("("):
         return head + names
+    if "#" in names:
+        raise LabError(f"{line.strip()!r} is too long made absolute: wrap it in the reference")
     # now too long: one name a line, as `ruff format` lays it out
     inner = [f"{m['indent']}    {name.strip()}," for name in names.split(",")]
     return "\n".join([head + "(", *inner, m["indent"] + ")"])
