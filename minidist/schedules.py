@@ -93,17 +93,20 @@ def schedule_1f1b(
     """
     _check_sizes(n_stages, n_microbatches, stage)
     m, split = n_microbatches, w_delay is not None
-    warmup = min(n_stages - stage - 1, m)
 
     def backward(i: int) -> Program:  # B of i, then the delayed W, if there is one yet
         late = [Op(BACKWARD_WEIGHT, i - w_delay)] if split and i >= w_delay else []
         return _bwd(i, kind=BACKWARD_INPUT if split else BACKWARD) + late
 
-    ops = [op for i in range(warmup) for op in _fwd(i)]
+    ops: Program = []
+    # lab 06.1 begin: warmup forwards (_fwd), steady _fwd + backward(i) pairs, cooldown backwards
+    warmup = min(n_stages - stage - 1, m)
+    ops += [op for i in range(warmup) for op in _fwd(i)]
     for i in range(m - warmup):  # steady: forward warmup + i, backward i
         ops += _fwd(warmup + i) + backward(i)
     for i in range(m - warmup, m):  # cooldown
         ops += backward(i)
+    # lab 06.1 end
     if split:  # the W still delayed
         ops += [Op(BACKWARD_WEIGHT, i) for i in range(max(0, m - w_delay), m)]
     return _drop_edges(ops, stage, n_stages)
@@ -124,8 +127,10 @@ def schedule_interleaved(n_stages: int, n_microbatches: int, stage: int, n_chunk
         raise ValueError(f"interleaved 1F1B: n_microbatches={m} is not a multiple of n_stages={p}")
 
     def nth(k: int, backward: bool) -> tuple[int, int]:  # (microbatch, chunk) of the k-th one
+        # lab 06.2 begin: groups of p*v: p microbatches per chunk; backwards take chunks last-first
         group, r = divmod(k, p * v)
         return group * p + r % p, (v - 1 - r // p if backward else r // p)
+        # lab 06.2 end
 
     # warmup: (v-1)*p forwards take microbatch 0 to the last chunk; 2 more per later stage cover
     # the first backward's round trip (Megatron's choice; so v = 1 is not 1F1B's p - s - 1)
