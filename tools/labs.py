@@ -65,6 +65,13 @@ LABS = {
         "grade": ["tests/test_data_parallel.py", "-m", "not processes"],
         "probe": ["tests/test_data_parallel.py", "-m", "not processes"],
     },
+    "05": {
+        "folder": "lessons/05_tensor_parallel",
+        "module": "minidist/tensor_parallel.py",
+        "impl": "tensor_parallel",
+        "grade": ["tests/test_tensor_parallel.py", "-m", "threads"],
+        "probe": ["tests/test_tensor_parallel.py", "-k", "bytes_per_layer or float32_block"],
+    },
 }
 
 BEGIN = re.compile(r"^(?P<indent>[ ]*)# lab (?P<id>\d\d\.\d+) begin: (?P<hint>\S.*?)\s*$")
@@ -209,7 +216,9 @@ def stale() -> dict[str, str]:
         want = fresh(lesson)
         have = open(path).read() if os.path.exists(path) else ""
         if have != want:
-            diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "committed", "fresh")
+            diff = difflib.unified_diff(
+                have.splitlines(), want.splitlines(), "committed", "fresh", lineterm=""
+            )
             problems[os.path.relpath(path, ROOT)] = "\n".join(list(diff)[:20])
     return problems
 
