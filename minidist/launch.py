@@ -206,19 +206,41 @@ def launch(
     base.setdefault("PYTHONUNBUFFERED", "1")
     if backend == "mpi":
         cmd = [mpiexec(), "-n", str(n), sys.executable, *argv]
-        procs = [subprocess.Popen(cmd, env=base, start_new_session=True)]
+        procs = [_start(cmd, base)]
     else:
         port = free_port()
         procs = []
         for r in range(n):
             rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
             rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            cmd = [sys.executable, *argv]
-            procs.append(subprocess.Popen(cmd, env=rank_env, start_new_session=True))
+            procs.append(_start([sys.executable, *argv], rank_env))
     try:
         return _watch(procs, n, backend, failures, timeout, done_marker)
     finally:
         shutil.rmtree(failures, ignore_errors=True)
+
+
+def _start(cmd: list[str], env: dict) -> subprocess.Popen:
+    """Start a rank (or mpiexec) in its own process group, so it can be stopped as a whole,
+    and (on Linux) have it receive SIGTERM if this launcher dies: no orphaned ranks."""
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    # runs in the child between fork and exec: only a plain libc call, resolved beforehand
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _find_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None).prctl
+
+
+_prctl = _find_prctl()
 
 
 def _watch(procs, n, backend, failures, timeout, done_marker) -> Outcome:
