@@ -141,8 +141,10 @@ def _install_failure_hook(comm) -> None:
     sys.excepthook = hook
     folder = os.environ.get("MINIDIST_FAILURE_DIR")
     if folder:  # so the launcher can tell which mpiexec child ended first
-        with open(os.path.join(folder, f"rank{comm.rank}.pid"), "w") as f:
+        path = os.path.join(folder, f"rank{comm.rank}.pid")
+        with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # atomic: the launcher never reads a half-written pid
 
 
 # ---- the launcher ------------------------------------------------------------------------
@@ -278,7 +280,7 @@ def _note_ended(procs, codes, backend, failures, ended: list[int]) -> None:
         return
     for name in _listing(failures, ".pid"):
         rank = int(name[4:-4])
-        if rank not in ended and not _alive(int(open(os.path.join(failures, name)).read())):
+        if rank not in ended and not _alive(int(_read(failures, name))):
             ended.append(rank)
 
 
