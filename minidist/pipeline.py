@@ -35,12 +35,13 @@ between virtual stages, kind), so no message can be taken for another.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from minidist.comm.wrappers import Tracer
 from minidist.schedules import BACKWARD_INPUT, COMPUTE, LETTER, Op, Program, Rows, peer
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
@@ -143,16 +144,27 @@ class _Step:
 
 
 class PipelineStage:
-    """One rank of a pipeline: its model chunks (chunk c is virtual stage c*p + rank), the
-    comm to the other stages (rank = stage), and on the last stage the loss. `run` executes a
-    program; with a Tracer, each compute op is recorded as a span (see measured_timeline)."""
+    """One rank of a pipeline: its model chunks (an nn.Module or a list of v; chunk c is virtual
+    stage c*p + rank), the comm to the other stages (rank = stage), on the last stage the loss.
+    `run` executes a program; with a Tracer, each compute op is recorded as a span (see
+    measured_timeline)."""
 
-    def __init__(self, chunks: nn.Module | Sequence[nn.Module], comm, loss_fn=None, tracer=None):
-        self.chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    def __init__(
+        self,
+        chunks: nn.Module | Sequence[nn.Module],
+        comm,
+        loss_fn: Callable | None = None,
+        tracer: Tracer | None = None,
+        device: torch.device | str | None = None,
+    ):
+        one = isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList)
+        self.chunks = [chunks] if one else list(chunks)
         self.comm, self.loss_fn, self.tracer = comm, loss_fn, tracer
         self.p, self.v = comm.world_size, len(self.chunks)
         params = [q for chunk in self.chunks for q in chunk.parameters()]
-        self.device = params[0].device if params else getattr(comm, "device", torch.device("cpu"))
+        # where received tensors go: a stage of layers without weights needs to be told
+        default = params[0].device if params else getattr(comm, "device", "cpu")
+        self.device = torch.device(device or default)
         self.memory = ActivationMemory()
         self.spans: list[tuple] = []  # (start, end, kind, microbatch, chunk) of the last run
 

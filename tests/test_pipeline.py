@@ -48,7 +48,7 @@ class Wrapped(nn.Module):
         return x
 
 
-def make_layers(widths: list[int], seed: int) -> list[nn.Module]:
+def make_layers(widths: list[int], seed: int, device: str = "cpu") -> list[nn.Module]:
     """Linear(widths[k], widths[k+1]) + Tanh for each k; the second Linear's bias is frozen."""
     g = torch.Generator().manual_seed(seed)  # not torch.manual_seed: threads share that RNG
     layers = []
@@ -57,7 +57,7 @@ def make_layers(widths: list[int], seed: int) -> list[nn.Module]:
         with torch.no_grad():
             for q in linear.parameters():
                 q.copy_(torch.randn(q.shape, generator=g, dtype=q.dtype) * 0.7)
-        layers += [linear, nn.Tanh()]
+        layers += [linear.to(device), nn.Tanh()]
     if len(layers) > 2:
         layers[2].bias.requires_grad_(False)
     return layers
@@ -98,23 +98,24 @@ def pipeline_matches_single_process(comm, case: dict) -> None:
         refused = name == "interleaved" and m % p and f"n_microbatches={m}" in str(e)
         return verdict(comm, bool(refused), f"{case}: refused: {e}")
     widths = case_widths(case, p * v)
-    ref_layers = make_layers(widths, case["seed"])
+    device = case.get("device", "cpu")  # cuda: the gpu tier, every thread-rank on one GPU
+    ref_layers = make_layers(widths, case["seed"], device)
     ref = nn.Sequential(*ref_layers)
     ref_opt = make_optimizer(case["opt"], [q for q in ref.parameters() if q.requires_grad])
-    layers = make_layers(widths, case["seed"])  # the same weights, a separate copy
+    layers = make_layers(widths, case["seed"], device)  # the same weights, a separate copy
     bounds = cut(len(layers), p * v, case["seed"])
     mine = [k for c in range(v) for k in range(*bounds[c * p + r])]  # this rank's layer indices
     parts = [nn.Sequential(*layers[slice(*bounds[c * p + r])]) for c in range(v)]
     chunks = [Wrapped(list(part)) for part in parts] if case["wrap"] else parts
-    stage = pipe.PipelineStage(chunks, comm, nn.functional.mse_loss)
+    stage = pipe.PipelineStage(chunks, comm, nn.functional.mse_loss, device=device)
     opt = make_optimizer(
         case["opt"], [q for c in chunks for q in c.parameters() if q.requires_grad]
     )
     g = torch.Generator().manual_seed(case["seed"] + 1)
     rows = case["rows"] * m
     for step in range(case["steps"]):
-        x = torch.randn(rows, widths[0], generator=g, dtype=torch.float64)  # (B, d_in)
-        y = torch.randn(rows, widths[-1], generator=g, dtype=torch.float64)  # (B, d_out)
+        x = torch.randn(rows, widths[0], generator=g, dtype=torch.float64).to(device)  # (B, d_in)
+        y = torch.randn(rows, widths[-1], generator=g, dtype=torch.float64).to(device)  # (B, d_out)
         out = ref(x)  # (B, d_out)
         ref_losses = [
             nn.functional.mse_loss(o, t)
@@ -170,6 +171,15 @@ cases = st.fixed_dictionaries(
 @given(st.integers(1, 4), cases)
 def test_pipeline_threads(p, case):
     run_threads(pipeline_matches_single_process, p, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 4), cases)
+def test_pipeline_threads_cuda(p, case):
+    """The threads tier with every tensor on cuda:0 (messages, headers, timeline gathers)."""
+    run_threads(pipeline_matches_single_process, p, dict(case, device="cuda"))
 
 
 def timeline_and_memory(comm, name: str, m: int, v: int) -> dict:
@@ -302,6 +312,28 @@ def test_fewer_microbatches_than_stages():
     with pytest.raises(ValueError, match="batch=10 does not split into n_microbatches=4"):
         pipe.split_microbatches(torch.zeros(10, 3), 4)
     assert [t.shape[0] for t in pipe.split_microbatches(torch.zeros(12, 3), 4)] == [3] * 4
+
+
+@pytest.mark.pure
+def test_lesson_grids_are_the_commands_output():
+    """Every `$ minidist schedule ...` block of the lesson's README is that command's output."""
+    import argparse
+    import contextlib
+    import io
+    import os
+    import re
+
+    readme = os.path.join(os.path.dirname(__file__), "..", "lessons", "06_pipeline", "README.md")
+    blocks = re.findall(r"```\n\$ minidist schedule ([^\n]*)\n(.*?)```", open(readme).read(), re.S)
+    assert len(blocks) >= 4, "the README lost its schedule grids"
+    for argv, shown in blocks:
+        parser = argparse.ArgumentParser(prog="minidist")
+        impl("schedules").add_schedule_command(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(["schedule", *argv.split()])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert args.func(args) == 0
+        assert out.getvalue() == shown, f"README block `minidist schedule {argv}` is stale"
 
 
 # ---- partition plans (pure) -------------------------------------------------------------
