@@ -87,6 +87,23 @@ def case_widths(case: dict, n_parts: int) -> list[int]:
     return widths
 
 
+def same_tensors(step: int, mine: list[int], layers, ref_layers, grads: bool) -> dict:
+    """{name: (this rank's tensor, the reference's)}: the gradients or the parameters of the
+    layers `mine`; a gradient None on one side only is a problem (a string)."""
+    pairs = {}
+    for k in mine:
+        named = zip(layers[k].named_parameters(), ref_layers[k].parameters(), strict=True)
+        for (name, q), q_ref in named:
+            key = f"step {step} layer {k} {name}" + (".grad" if grads else "")
+            if not grads:
+                pairs[key] = (q.detach(), q_ref.detach())
+            elif (q.grad is None) != (q_ref.grad is None):
+                pairs[key] = f"{key} is None on one side only"
+            elif q.grad is not None:
+                pairs[key] = (q.grad, q_ref.grad)
+    return pairs
+
+
 def pipeline_matches_single_process(comm, case: dict) -> None:
     """Train the reference and this rank's stage side by side; check after every step."""
     pipe = impl("pipeline")
@@ -97,8 +114,7 @@ def pipeline_matches_single_process(comm, case: dict) -> None:
     except ValueError as e:  # interleaved needs m a multiple of p: a clear error, no hang
         refused = name == "interleaved" and m % p and f"n_microbatches={m}" in str(e)
         return verdict(comm, bool(refused), f"{case}: refused: {e}")
-    widths = case_widths(case, p * v)
-    device = case.get("device", "cpu")  # cuda: the gpu tier, every thread-rank on one GPU
+    widths, device = case_widths(case, p * v), case.get("device", "cpu")  # cuda: the gpu tier
     ref_layers = make_layers(widths, case["seed"], device)
     ref = nn.Sequential(*ref_layers)
     ref_opt = make_optimizer(case["opt"], [q for q in ref.parameters() if q.requires_grad])
@@ -111,44 +127,31 @@ def pipeline_matches_single_process(comm, case: dict) -> None:
     opt = make_optimizer(
         case["opt"], [q for c in chunks for q in c.parameters() if q.requires_grad]
     )
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    rows = case["rows"] * m
+    g, rows = torch.Generator().manual_seed(case["seed"] + 1), case["rows"]
     for step in range(case["steps"]):
-        x = torch.randn(rows, widths[0], generator=g, dtype=torch.float64).to(device)  # (B, d_in)
-        y = torch.randn(rows, widths[-1], generator=g, dtype=torch.float64).to(device)  # (B, d_out)
-        out = ref(x)  # (B, d_out)
-        ref_losses = [
-            nn.functional.mse_loss(o, t)
-            for o, t in zip(out.split(case["rows"]), y.split(case["rows"]), strict=True)
-        ]
+        x = torch.randn(rows * m, widths[0], generator=g, dtype=torch.float64).to(device)
+        y = torch.randn(rows * m, widths[-1], generator=g, dtype=torch.float64).to(device)
+        out = ref(x)  # (B, d_out), B = rows * m
+        ref_losses = list(map(nn.functional.mse_loss, out.split(rows), y.split(rows)))
         nn.functional.mse_loss(out, y).backward()  # the whole batch, the mean loss
-        xs, ys = list(x.split(case["rows"])), list(y.split(case["rows"]))  # sliced here
+        xs, ys = list(x.split(rows)), list(y.split(rows))  # the microbatches, sliced here
         losses = stage.run(program, xs if r == 0 else None, ys if r == p - 1 else None)
         pairs = {
             f"step {step} loss {i}": (a, b.detach())
             for i, (a, b) in enumerate(zip(losses, ref_losses, strict=False))
         }
-        problems = [] if len(losses) == (m if r == p - 1 else 0) else [f"{len(losses)} losses"]
-        for k in mine:
-            for (q_name, q), q_ref in zip(
-                layers[k].named_parameters(), ref_layers[k].parameters(), strict=True
-            ):
-                if (q.grad is None) != (q_ref.grad is None):
-                    problems.append(f"step {step} layer {k} {q_name}.grad None-ness differs")
-                elif q.grad is not None:
-                    pairs[f"step {step} layer {k} {q_name}.grad"] = (q.grad, q_ref.grad)
-        if opt is not None:
-            opt.step()
-            opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for k in mine:
-            for (q_name, q), q_ref in zip(
-                layers[k].named_parameters(), ref_layers[k].parameters(), strict=True
-            ):
-                pairs[f"step {step} layer {k} {q_name}"] = (q.detach(), q_ref.detach())
+        pairs |= same_tensors(step, mine, layers, ref_layers, grads=True)
+        for optimizer in (opt, ref_opt):
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+        pairs |= same_tensors(step, mine, layers, ref_layers, grads=False)
+        problems = [pair for pair in pairs.values() if isinstance(pair, str)]
+        if len(losses) != (m if r == p - 1 else 0):
+            problems.append(f"step {step}: {len(losses)} losses on stage {r}")
         verdict(comm, not problems, f"{case}: {problems}")
-        check_all(comm, pairs, RTOL, ATOL, context=str(case))
+        tensors = {key: pair for key, pair in pairs.items() if not isinstance(pair, str)}
+        check_all(comm, tensors, RTOL, ATOL, context=str(case))
 
 
 cases = st.fixed_dictionaries(
