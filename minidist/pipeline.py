@@ -235,8 +235,9 @@ class PipelineStage:
             step.outs[i, c] = out.detach()
 
     def _pieces(self, chunk: nn.Module, x: torch.Tensor) -> list[_Piece]:
-        """Run chunk layer by layer (one piece, if it is not an nn.Sequential), each layer on a
-        detached copy of its input: then B and W can run per layer, W long after B."""
+        """Run chunk layer by layer, each layer on a detached copy of its input: then B and W
+        can run per layer, W long after B. A chunk that is not an nn.Sequential is one piece:
+        its W then redoes the input gradients inside it (correct, but as slow as a backward)."""
         pieces, h = [], x
         for layer in chunk if isinstance(chunk, nn.Sequential) else [chunk]:
             inp = h.detach().requires_grad_(h.requires_grad)
