@@ -72,6 +72,13 @@ LABS = {
         "grade": ["tests/test_tensor_parallel.py", "-m", "threads"],
         "probe": ["tests/test_tensor_parallel.py", "-k", "bytes_per_layer or float32_block"],
     },
+    "06": {
+        "folder": "lessons/06_pipeline",
+        "module": "minidist/schedules.py",
+        "impl": "schedules",
+        "grade": ["tests/test_schedules.py", "-m", "not processes"],
+        "probe": ["tests/test_schedules.py", "-k", "invariants"],
+    },
 }
 
 BEGIN = re.compile(r"^(?P<indent>[ ]*)# lab (?P<id>\d\d\.\d+) begin: (?P<hint>\S.*?)\s*$")
@@ -233,7 +240,8 @@ def grade(lesson: str, path: str | None = None, extra: list[str] | None = None) 
     path = os.path.abspath(path or lab_path(lesson))
     args = [*_lab(lesson)["grade"], *(extra or [])]
     left = sorted(set(re.findall(rf'"Lab ({lesson}\.\d+):', open(path).read())))
-    print(f"grading {os.path.relpath(path, ROOT)}: pytest {' '.join(args)}")
+    shown = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+    print(f"grading {shown}: pytest {' '.join(args)}")
     print(f"  with {env_var(lesson)}={path}")
     if left:
         print(f"  still unfilled: {', '.join(left)} (their tests will fail)")
