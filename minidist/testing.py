@@ -104,7 +104,7 @@ def run_processes(fn, world_size: int, backend: str, *args, timeout: float = 120
     folder = tempfile.mkdtemp(prefix="minidist-test-")
     with open(os.path.join(folder, "job.pkl"), "wb") as f:
         pickle.dump((fn, args), f)
-    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    path = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or "."))
     env = {"PYTHONPATH": path, "MINIDIST_TIMEOUT": str(max(timeout - 10, timeout / 2))}
     done = lambda r: os.path.exists(os.path.join(folder, f"rank{r}.pkl"))  # noqa: E731
     argv = ["-m", "minidist.testing", folder]
