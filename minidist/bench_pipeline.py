@@ -16,6 +16,9 @@ ZB's t_F = t_B = t_W, and free communication) and beside the schedule simulated 
 times measured in the same run (schedules.simulate with the mean t_f, t_b, t_w): the formula
 is the ideal, the simulation says what the measured op times allow, and the difference between
 that and the measurement is what the real run adds (messages, Python, a rank without a core).
+One such cost: over MPI (no progress thread) an isend above the eager limit (4 KiB here) moves
+only while its sender is inside an MPI call, so an activation sent just before a long op may
+wait for that op to end; Gloo moves messages on threads of its own, which need a core too.
 Peak activation bytes per stage are measured (pipeline.ActivationMemory) and predicted as
 schedules.peak_activations(program) x the bytes of one microbatch. Medians over the timed
 steps, one warm-up step first. A shared, noisy machine: quote ratios from one run.
@@ -116,11 +119,11 @@ def format_rows(rows: list[dict]) -> str:
             f"{a / 1024:.0f} ({b / 1024:.0f})"
             for a, b in zip(r["peak_bytes"], r["peak_bytes_predicted"], strict=True)
         )
-        ratio = r["bubble"] / r["bubble_formula"] if r["bubble_formula"] else float("nan")
+        ratio = f"{r['bubble'] / r['bubble_formula']:9.2f}" if r["bubble_formula"] else f"{'-':>9}"
         lines.append(
             f"{r['schedule']:>11} {r['m']:>3} {r['v']:>2} {r['step_ms']:8.1f} {r['t_f_ms']:6.2f}"
             f" {r['t_b_ms']:6.2f} {r['t_w_ms']:6.2f} {r['bubble']:7.3f}"
-            f" {r['bubble_simulated']:6.3f} {r['bubble_formula']:7.3f} {ratio:9.2f}  {kib}"
+            f" {r['bubble_simulated']:6.3f} {r['bubble_formula']:7.3f} {ratio}  {kib}"
         )
     return "\n".join(lines)
 
@@ -130,8 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=2, help="number of ranks = pipeline stages")
     p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
     p.add_argument("--microbatches", default="1,2,4,8,16", help="values of m, comma-separated")
-    p.add_argument("--width", type=int, default=256, help="features of every Linear layer")
-    p.add_argument("--rows", type=int, default=32, help="samples per microbatch")
+    p.add_argument("--width", type=int, default=512, help="features of every Linear layer")
+    p.add_argument("--rows", type=int, default=64, help="samples per microbatch")
     p.add_argument("--layers-per-stage", type=int, default=4, help="Linear + tanh pairs")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
