@@ -146,10 +146,13 @@ def master_copy(params: list[torch.Tensor], dtype: torch.dtype = torch.float32) 
 class MixedPrecisionOptimizer:
     """A torch optimizer over float32 master weights, for a model cast to precision.compute.
 
-    Construction broadcasts rank 0's parameters and buffers over dp_comm (replicas start
-    equal), copies the masters, then casts the model in place (module.to keeps each
-    Parameter object). Parameters that got no gradient count as zero gradient (so weight
-    decay still moves them, unlike a plain torch optimizer, which skips them).
+    dp_comm, the data-parallel group: construction broadcasts rank 0's parameters and buffers
+    over it (replicas start equal), then copies the masters and casts the model in place
+    (module.to keeps each Parameter object); every step agrees on inf/nan over it and, with
+    reduce_gradients, all-reduces the gradients in precision.reduce. reduce_gradients=False
+    leaves the reduction to a DataParallel wrapper put around the model *after* this cast (its
+    buckets then hold, and sum, the compute dtype). Parameters that got no gradient count as
+    zero gradient (weight decay still moves them; a plain torch optimizer skips them).
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class MixedPrecisionOptimizer:
         precision: Precision = BF16,
         scaler: LossScaler | None = None,
         dp_comm=None,
+        reduce_gradients: bool = True,
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if dp_comm is not None:
@@ -167,7 +171,7 @@ class MixedPrecisionOptimizer:
                     dp_comm.broadcast(t.data, 0)
         self.master = master_copy(self.params, precision.master)
         model.to(precision.compute)
-        self.precision, self.dp_comm = precision, dp_comm
+        self.precision, self.dp_comm, self.reduce_gradients = precision, dp_comm, reduce_gradients
         self.scaler = scaler or LossScaler(1.0, dynamic=False)
         self.optimizer = make_optimizer(self.master)
         n = sum(p.numel() for p in self.params)
@@ -205,26 +209,33 @@ class MixedPrecisionOptimizer:
         """Reduce over dp_comm, unscale, agree on inf/nan; step the masters and copy them into
         the model unless some rank overflowed. True if the step was taken.
 
-        Collectives on dp_comm: all_reduce(N in precision.reduce), all_reduce(1 float32).
+        Collectives on dp_comm: all_reduce(N in precision.reduce) (if reduce_gradients),
+        all_reduce(1 float32).
         """
         self._collect()  # gradients left by a plain loss.backward() (or a DataParallel wrapper)
-        if self.dp_comm is not None:
+        if self.dp_comm is not None and self.reduce_gradients:
             self._all_reduce_mean()
+        stepped = self._unscale_and_step()
+        self.steps += 1
+        self.grad_flat.zero_()
+        return stepped
+
+    def _unscale_and_step(self) -> bool:
+        """Unscale grad_flat; agree with every dp rank on inf/nan; update the scale; unless some
+        rank overflowed, step the masters and round them into the model. True if stepped."""
         # lab 09.3 begin: unscale grad_flat, agree on inf/nan, update the scaler, step unless inf
         self.grad_flat.mul_(1.0 / self.scaler.scale)  # exact: the scale is a power of two
         found_inf = found_nonfinite([self.grad_flat], self.dp_comm)
         self.scaler.update(found_inf)
         if found_inf:
             self.skipped.append(self.steps)
-        else:
-            self.optimizer.step()
-            with torch.no_grad():
-                for param, master in zip(self.params, self.master, strict=True):
-                    param.copy_(master)  # round the updated master to the model's dtype
+            return False
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.master, strict=True):
+                param.copy_(master)  # round the updated master to the model's dtype
+        return True
         # lab 09.3 end
-        self.steps += 1
-        self.grad_flat.zero_()
-        return not found_inf
 
     def _all_reduce_mean(self) -> None:
         """grad_flat <- (1/p) sum over dp ranks, the sum taken in precision.reduce."""

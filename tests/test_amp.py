@@ -335,3 +335,39 @@ def amp_properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_amp_data_parallel_processes(backend):
     assert run_ranks(amp_properties_in_ranks, 4, backend, 6, timeout=180) == [6] * 4
+
+
+def amp_inside_data_parallel_wrapper(comm, seed: int) -> None:
+    """The other composition: cast first, then wrap in DataParallelBucketed (it reduces in the
+    compute dtype; reduce_gradients=False here). float64 everywhere: equal to the dp_comm path."""
+    amp, dp = impl("amp"), impl("data_parallel")
+    f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
+    models, mps = {}, {}
+    for way in ("dp_comm", "wrapper"):
+        models[way] = Net(3, 4, seed + comm.rank)  # out of sync: rank 0's wins either way
+        scaler = amp.LossScaler(2.0**10, growth_interval=2)
+        mps[way] = amp.MixedPrecisionOptimizer(
+            models[way], make_optimizer("adamw"), f64, scaler, comm, way == "dp_comm"
+        )
+    wrapped = dp.DataParallelBucketed(models["wrapper"], comm, bucket_bytes=64)  # after the cast
+    for step, (x, y) in enumerate(problem(3, 2 * comm.world_size, seed, 3)):
+        lo, hi = 2 * comm.rank, 2 * comm.rank + 2
+        mps["dp_comm"].backward(nn.functional.mse_loss(models["dp_comm"](x[lo:hi]), y[lo:hi]))
+        mps["dp_comm"].step()
+        loss = nn.functional.mse_loss(wrapped(x[lo:hi]), y[lo:hi])
+        mps["wrapper"].scaler.scale_loss(loss).backward()
+        wrapped.finish_gradient_sync()
+        mps["wrapper"].step()
+        pairs = {
+            f"step {step} master {i}": (a.detach(), b.detach())
+            for i, (a, b) in enumerate(
+                zip(mps["wrapper"].master, mps["dp_comm"].master, strict=True)
+            )
+        }
+        check_all(comm, pairs, RTOL, ATOL, context=f"seed {seed}")
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 3])
+def test_amp_composes_with_the_data_parallel_wrapper_too(p):
+    run_threads(amp_inside_data_parallel_wrapper, p, p, **FAST)
