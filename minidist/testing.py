@@ -148,12 +148,16 @@ def impl(name: str):
     if not path:
         return importlib.import_module(f"minidist.{name}")
     key = f"minidist_lab_{name.replace('.', '_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
+    with _impl_lock:  # thread-ranks call this at once: none may see a half-loaded module
+        if key not in sys.modules:
+            spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[key] = module
     return sys.modules[key]
+
+
+_impl_lock = threading.Lock()
 
 
 # ---- verdicts and reports ----------------------------------------------------------------
