@@ -6,7 +6,8 @@ anywhere (also across machines without MPI); NCCL is what GPUs use (one rank per
 Every operation is issued asynchronously (`async_op=True`) and waited on with this comm's
 timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number and peer.
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
-should end, which is what the launcher does).
+should end, which is what the launcher does). And Gloo's point-to-point receives report
+`is_completed()` only once `wait()` has run: wait on them, do not poll them.
 
     torchrun --nproc-per-node 4 script.py   # script: comm = minidist.init()
 """
