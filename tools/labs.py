@@ -79,6 +79,34 @@ LABS = {
         "grade": ["tests/test_schedules.py", "-m", "not processes"],
         "probe": ["tests/test_schedules.py", "-k", "invariants"],
     },
+    "08": {
+        "folder": "lessons/08_sync_async_sgd",
+        "module": "minidist/parameter_server.py",
+        "impl": "parameter_server",
+        "grade": ["tests/test_sgd.py", "-m", "not processes"],
+        "probe": ["tests/test_sgd.py", "-m", "not processes"],
+    },
+    "09": {
+        "folder": "lessons/09_mixed_precision",
+        "module": "minidist/amp.py",
+        "impl": "amp",
+        "grade": ["tests/test_amp.py", "-m", "not processes"],
+        "probe": ["tests/test_amp.py", "-m", "not processes"],
+    },
+    "10": {
+        "folder": "lessons/10_checkpointing",
+        "module": "minidist/checkpointing.py",
+        "impl": "checkpointing",
+        "grade": ["tests/test_checkpointing.py", "-m", "not processes"],
+        "probe": ["tests/test_checkpointing.py", "-m", "not processes"],
+    },
+    "11": {
+        "folder": "lessons/11_large_batches",
+        "module": "minidist/lr.py",
+        "impl": "lr",
+        "grade": ["tests/test_lr.py", "-m", "not processes"],
+        "probe": ["tests/test_lr.py", "-m", "not processes"],
+    },
 }
 
 BEGIN = re.compile(r"^(?P<indent>[ ]*)# lab (?P<id>\d\d\.\d+) begin: (?P<hint>\S.*?)\s*$")
