@@ -19,7 +19,8 @@ and float16 (minidist.amp), each with no checkpointing, every block, every sqrt(
     model state  parameters + gradients + masters + float32 gradient buffer + Adam state,
                  measured, beside 16 N (float32) and 20 N (mixed) bytes, N parameters
     time         forward + backward; recomputation overhead beside (t + F) / t, F a forward
-Times are medians over --repeats on a shared, noisy machine; ratios come from one run.
+Times are the fastest of --repeats, the policies taken in turn, on a shared, noisy machine;
+ratios come from one run.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from minidist.data_parallel import DataParallelBucketed, shard
 from minidist.launch import init, launch, run_threads
 from minidist.lr import WarmupDecay, scaled_lr
 
-D_IN, CLASSES = 32, 8
+D_IN, CLASSES, WIDTH, DEPTH = 32, 8, 128, 4  # the student: 4 hidden layers of 128
 
 
 def mlp(seed: int, width: int, depth: int) -> nn.Sequential:
@@ -90,11 +91,11 @@ def runs(args) -> list[dict]:
     ]  # fmt: skip
 
 
-def train_curve(comm, run: dict, data: dict, args) -> list[tuple[int, float]]:
-    """Train one setting data-parallel; (samples seen, held-out loss) every --eval-every."""
-    model = DataParallelBucketed(mlp(1, args.width, args.depth), comm)
+def train_curve(comm, run: dict, data: dict, eval_every: int) -> list[tuple[int, float]]:
+    """Train one setting data-parallel; (samples seen, held-out loss) every eval_every."""
+    model = DataParallelBucketed(mlp(1, WIDTH, DEPTH), comm)
     opt = torch.optim.SGD(model.parameters(), lr=run["lr"], momentum=0.9)
-    steps = args.samples // run["batch"]
+    steps = len(data["x"]) // run["batch"]
     schedule = WarmupDecay(opt, run["warmup"], steps, "cosine", start=run["start"])
     loss_fn = nn.functional.cross_entropy
     curve = []
@@ -104,7 +105,7 @@ def train_curve(comm, run: dict, data: dict, args) -> list[tuple[int, float]]:
         train_step(model, loss_fn, x, y, opt, run["micro"], no_sync=model.no_sync,
                    finish=model.finish_gradient_sync)  # fmt: skip
         schedule.step()
-        if hi % args.eval_every == 0:
+        if hi % eval_every == 0:
             with torch.no_grad():  # replicas are identical: each rank evaluates its own
                 curve.append((hi, loss_fn(model(data["x_eval"]), data["y_eval"]).item()))
     return curve
@@ -113,7 +114,7 @@ def train_curve(comm, run: dict, data: dict, args) -> list[tuple[int, float]]:
 def large_batches(comm, args) -> tuple[list[dict], float]:
     """The four runs with their curves, final loss and mean gap; and the loss floor."""
     data = task(args.samples)
-    rows = [dict(run, curve=train_curve(comm, run, data, args)) for run in runs(args)]
+    rows = [dict(run, curve=train_curve(comm, run, data, args.eval_every)) for run in runs(args)]
     small = [loss for _, loss in rows[0]["curve"]]
     for row in rows:
         losses = [loss for _, loss in row["curve"]]
@@ -136,14 +137,18 @@ class Block(nn.Module):
         return x + self.l2(nn.functional.gelu(self.l1(x)))
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def fastest(fns: list, repeats: int) -> list[float]:
+    """The fastest of `repeats` runs of each fn, taking the fns in turn: on a shared machine
+    the least disturbed run is the best estimate, and a change of load hits all fns alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [math.inf] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def model_state_bytes(model: nn.Module, opt, mp) -> int:
@@ -158,12 +163,12 @@ def model_state_bytes(model: nn.Module, opt, mp) -> int:
     return params + grads + masters + state
 
 
-def memory_row(args, precision: str, policy: str) -> dict:
-    """One (precision, policy) cell of part 2: activations, model state, time."""
+def memory_cell(args, precision: str, policy: str) -> tuple[dict, object]:
+    """One (precision, policy) cell of part 2: its row (activations, model state) and a
+    function running one forward + backward."""
     g = torch.Generator().manual_seed(0)
     blocks = [Block(args.d, 4 * args.d, g) for _ in range(args.blocks)]
     model = CheckpointedSequential(blocks, policy)
-    dtype = PRECISIONS[precision].compute
     mp = None
     if precision == "fp32":
         opt = torch.optim.Adam(model.parameters())
@@ -172,35 +177,39 @@ def memory_row(args, precision: str, policy: str) -> dict:
         scaler = LossScaler(2.0**8, dynamic=precision == "fp16")
         mp = MixedPrecisionOptimizer(model, torch.optim.Adam, PRECISIONS[precision], scaler)
         opt, backward = mp.optimizer, mp.backward
-    x = torch.randn(args.batch, args.d, generator=g).to(dtype)  # (B, d)
+    x = torch.randn(args.batch, args.d, generator=g).to(PRECISIONS[precision].compute)  # (B, d)
 
     def fwd_bwd():  # mean(): a head that saves no tensor, so the meter sees the blocks alone
         backward(model(x).float().mean())
 
     with SavedTensorMeter(exclude=model.parameters()) as meter:
         fwd_bwd()
-    (mp or opt).step()
-    with torch.no_grad():
-        forward = median_time(lambda: model(x), args.repeats)
+    (mp or opt).step()  # the optimizer state exists from the first step on
     a = args.batch * (args.d + 2 * 4 * args.d) * x.element_size()  # x, W1 x, gelu(W1 x)
     b = args.batch * args.d * x.element_size()
     n = sum(q.numel() for q in model.parameters())
-    return {
+    row = {
         "precision": precision, "policy": policy, "k": model.k,
         "peak": meter.peak, "predicted": predicted_peak(args.blocks, model.k, a, b),
         "state": model_state_bytes(model, opt, mp), "state_formula": (16 if mp is None else 20) * n,
-        "time": median_time(fwd_bwd, args.repeats), "forward": forward,
     }  # fmt: skip
+
+    def forward():  # F: what a recomputation adds, a forward that records the graph
+        model(x)
+
+    return row, fwd_bwd, forward
 
 
 def memory_table(args) -> list[dict]:
-    rows = [
-        memory_row(args, p, c) for p in ("fp32", "bf16", "fp16") for c in ("none", "block", "sqrt")
-    ]
-    for row in rows:  # overhead against the same precision without checkpointing
-        plain = next(r for r in rows if r["precision"] == row["precision"] and r["k"] == 0)
-        row["overhead"] = row["time"] / plain["time"]
-        row["overhead_formula"] = 1.0 if row["k"] == 0 else 1 + plain["forward"] / plain["time"]
+    """Every cell; times per precision taken in turn, with the plain model's forward F."""
+    rows = []
+    for precision in ("fp32", "bf16", "fp16"):
+        cells = [memory_cell(args, precision, policy) for policy in ("none", "block", "sqrt")]
+        *times, f = fastest([cell[1] for cell in cells] + [cells[0][2]], args.repeats)
+        for (row, _, _), t in zip(cells, times, strict=True):
+            row["time"], row["forward"], row["overhead"] = t, f, t / times[0]
+            row["overhead_formula"] = 1.0 if row["k"] == 0 else 1 + f / times[0]  # (t + F) / t
+            rows.append(row)
     return rows
 
 
@@ -260,12 +269,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro", type=int, default=2, help="microbatches per rank, large runs")
     p.add_argument("--samples", type=int, default=16384)
     p.add_argument("--eval-every", type=int, default=512, help="samples between evaluations")
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--depth", type=int, default=4)
     p.add_argument("--blocks", type=int, default=8, help="memory: residual blocks")
     p.add_argument("--d", type=int, default=256, help="memory: block width (f = 4d)")
     p.add_argument("--batch", type=int, default=64, help="memory: rows")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="out")
     p.add_argument("--json", action="store_true")
 
@@ -277,7 +284,11 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in _FORWARDED]
+    """The parent: start args.n ranks of this module, handing on every flag but -n."""
+    own = argparse.ArgumentParser()
+    add_arguments(own)
+    keys = vars(own.parse_args([])).keys() - {"n", "json"}
+    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in sorted(keys)]
     argv += ["--json"] if args.json else []
     if args.backend == "threads":
         outcome = run_threads([os.path.abspath(__file__), *argv], args.n, timeout=1800)
@@ -286,12 +297,6 @@ def main(args: argparse.Namespace) -> int:
     if outcome.returncode != 0:
         print(f"minidist bench batch: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode
-
-
-_FORWARDED = (
-    "backend", "k", "base_batch", "base_lr", "warmup", "micro", "samples", "eval_every", "width",
-    "depth", "blocks", "d", "batch", "repeats", "out",
-)  # fmt: skip
 
 
 def rank_main(argv: list[str]) -> None:

@@ -143,7 +143,7 @@ cases = st.fixed_dictionaries(
 
 
 @pytest.mark.threads
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.integers(1, 4), cases)
 def test_amp_data_parallel_accumulation_equals_one_process_threads(p, case):
     skipped = run_threads(amp_dp_matches_single_process, p, case, **FAST)
@@ -257,20 +257,20 @@ def test_bf16_and_fp16_stay_within_the_documented_tolerance_of_fp32(seed):
         assert drift <= u, f"{name}: weights off by {drift:.3g} relative > u = {u:.3g}"
 
 
-def fp16_data_parallel(comm, reduce: str) -> dict:
+def fp16_data_parallel(comm, reduce: str, device: str = "cpu") -> dict:
     """Real float16 over dp ranks: a scale that overflows at first, backed off until it does
-    not; the bytes of the gradient reduction; replicas identical."""
+    not; the bytes of the gradient reduction; replicas identical. On `device`."""
     amp = impl("amp")
     counter = Counter()
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[reduce]
     precision = amp.Precision(torch.float16, torch.float32, reduce_dtype)
-    model = Net(8, 16, seed=comm.rank, dtype=torch.float32)  # different: rank 0's wins
+    model = Net(8, 16, seed=comm.rank, dtype=torch.float32).to(device)  # rank 0's wins
     scaler = amp.LossScaler(2.0**19, growth_interval=2)
     make = make_optimizer("adamw")
     mp = amp.MixedPrecisionOptimizer(model, make, precision, scaler, ObservedComm(comm, counter))
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(comm.world_size * 8, 8, generator=g)  # (8p, 8): the global batch
-    y = torch.randn(comm.world_size * 8, 1, generator=g)
+    x = torch.randn(comm.world_size * 8, 8, generator=g).to(device)  # (8p, 8): global batch
+    y = torch.randn(comm.world_size * 8, 1, generator=g).to(device)
     lo, hi = comm.rank * 8, (comm.rank + 1) * 8
     losses = []
     for _ in range(12):
@@ -281,7 +281,7 @@ def fp16_data_parallel(comm, reduce: str) -> dict:
         mp.step()
         losses.append(loss.item())
     flat = torch.cat([q.detach().reshape(-1) for q in mp.master])
-    rows = comm.all_gather(torch.empty(comm.world_size * flat.numel()), flat)
+    rows = comm.all_gather(flat.new_empty(comm.world_size * flat.numel()), flat)
     same = all(torch.equal(row, flat) for row in rows.view(comm.world_size, -1))
     n = sum(q.numel() for q in model.parameters())
     return {
@@ -291,13 +291,11 @@ def fp16_data_parallel(comm, reduce: str) -> dict:
         "reduce_bytes": counter.summary()["nbytes"].get("all_reduce", 0),
         "expect_bytes": n * reduce_dtype.itemsize + 4,  # gradients + the overflow flag
         "dtype": str(next(model.parameters()).dtype),
+        "device": {str(q.device.type) for q in [*model.parameters(), *mp.master, mp.grad_flat]},
     }
 
 
-@pytest.mark.threads
-@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
-def test_fp16_data_parallel_skips_together_and_reduces_in_the_documented_precision(reduce):
-    got = run_threads(fp16_data_parallel, 3, reduce, **FAST)
+def check_fp16_runs(got: list[dict], device: str) -> None:
     first = got[0]
     assert first["skipped"][:3] == [0, 1, 2], first  # 2^19 overflows float16 gradients
     assert len(first["skipped"]) < 12, first  # ... and backing off recovers
@@ -305,7 +303,21 @@ def test_fp16_data_parallel_skips_together_and_reduces_in_the_documented_precisi
         assert g["skipped"] == first["skipped"] and g["scale"] == first["scale"], got
         assert g["same"], "replicas differ"
         assert g["reduce_bytes"] == g["expect_bytes"], g
-        assert g["dtype"] == "torch.float16"
+        assert g["dtype"] == "torch.float16" and g["device"] == {device}, g
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_fp16_data_parallel_skips_together_and_reduces_in_the_documented_precision(reduce):
+    check_fp16_runs(run_threads(fp16_data_parallel, 3, reduce, **FAST), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_fp16_data_parallel_on_cuda(reduce):
+    """The same, every rank's tensors on cuda:0 (the threads backend takes CUDA tensors)."""
+    check_fp16_runs(run_threads(fp16_data_parallel, 2, reduce, "cuda", **FAST), "cuda")
 
 
 def amp_properties_in_ranks(comm, max_examples: int) -> int:
@@ -334,7 +346,7 @@ def amp_properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_amp_data_parallel_processes(backend):
-    assert run_ranks(amp_properties_in_ranks, 4, backend, 6, timeout=180) == [6] * 4
+    assert run_ranks(amp_properties_in_ranks, 4, backend, 5, timeout=180) == [5] * 4
 
 
 def amp_inside_data_parallel_wrapper(comm, seed: int) -> None:

@@ -58,14 +58,26 @@ def blocks(n: int, d: int, f: int, p: float, seed: int) -> list[Block]:
     return [Block(d, f, p, g) for _ in range(n)]
 
 
+def rng_state(device: str) -> torch.Tensor:
+    """The state of the generator dropout draws from on `device`."""
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: str) -> None:
+    if device == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state)
+
+
 def grads_of(model: nn.Module, x: torch.Tensor, rng: torch.Tensor) -> dict:
-    """Every parameter's gradient (and x's) after one backward, the generator set to `rng`
-    first; plus the generator's state afterwards."""
-    torch.set_rng_state(rng)
+    """Every parameter's gradient (and x's) after one backward, the generator of x's device set
+    to `rng` first; plus that generator's state afterwards."""
+    set_rng_state(rng, x.device.type)
     x = x.clone().requires_grad_(True)
     model(x).square().sum().backward()
     out = {f"{i}.grad": q.grad for i, q in enumerate(model.parameters())}
-    return {**out, "x.grad": x.grad, "rng after": torch.get_rng_state()}
+    return {**out, "x.grad": x.grad, "rng after": rng_state(x.device.type)}
 
 
 class TorchCheckpointed(nn.Module):
@@ -99,17 +111,31 @@ def compare(got: dict, want: dict, what: str) -> None:
     st.integers(0, 10**6),
 )
 def test_checkpointing_gives_the_same_gradients_bitwise(n, policy, b, d, p, seed):
+    same_gradients(n, policy, b, d, p, seed, "cpu")
+
+
+def same_gradients(n: int, policy, b: int, d: int, p: float, seed: int, device: str) -> None:
+    """Plain, checkpointed and torch-checkpointed stacks: bitwise the same gradients."""
     ck = impl("checkpointing")
-    plain = blocks(n, d, 2 * d, p, seed)
-    x = torch.randn(b, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    with torch.random.fork_rng():  # dropout reads the default generator: leave it as it was
-        rng = torch.Generator().manual_seed(seed + 1).get_state()
+    plain = [block.to(device) for block in blocks(n, d, 2 * d, p, seed)]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, d, generator=g, dtype=torch.float64).to(device)  # (b, d)
+    # dropout reads the device's default generator: leave it as it was afterwards
+    with torch.random.fork_rng(devices=[0] if device == "cuda" else []):
+        rng = rng_state(device)
         want = grads_of(nn.Sequential(*plain), x, rng)
         got = grads_of(ck.CheckpointedSequential(copy.deepcopy(plain), policy), x, rng)
-        compare(got, want, f"CheckpointedSequential(policy={policy!r})")
+        compare(got, want, f"CheckpointedSequential(policy={policy!r}) on {device}")
         if p > 0:  # one more reference, independent of this module
             other = grads_of(TorchCheckpointed(copy.deepcopy(plain)), x, rng)
-            compare(got, other, "against torch.utils.checkpoint")
+            compare(got, other, f"against torch.utils.checkpoint on {device}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["block", "sqrt", 3])
+def test_checkpointing_on_cuda_restores_the_cuda_generator(policy):
+    same_gradients(6, policy, 4, 8, 0.5, 7, "cuda")
 
 
 @pytest.mark.pure

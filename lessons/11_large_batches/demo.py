@@ -5,7 +5,6 @@ python lessons/11_large_batches/demo.py                                    # 4 r
 minidist run -n 4 --backend mpi lessons/11_large_batches/demo.py           # or --backend gloo
 """
 
-import argparse
 import sys
 
 import torch
@@ -55,8 +54,7 @@ def main(comm):
     say = print if comm.rank == 0 else lambda *_: None
     schedule(say)
     accumulation_is_one_big_step(comm, say)
-    args = argparse.Namespace(width=128, depth=4, samples=4096, eval_every=512)
-    data = task(args.samples)
+    data = task(4096)
     big = dict(batch=K * B0, lr=scaled_lr(LR0, B0, K * B0), micro=2)  # 2 microbatches per rank
     runs = [
         dict(name="small", batch=B0, lr=LR0, warmup=0, start=0.0, micro=1),
@@ -66,7 +64,7 @@ def main(comm):
     say(f"held-out loss every 512 samples (the labels' entropy, the best possible: "
         f"{data['floor']:.3f}):")  # fmt: skip
     for run in runs:
-        curve = train_curve(comm, run, data, args)
+        curve = train_curve(comm, run, data, eval_every=512)
         say(f"  {run['name']:18} " + " ".join(f"{loss:.3f}" for _, loss in curve))
 
 
