@@ -152,8 +152,12 @@ def impl(name: str):
         if key not in sys.modules:
             spec = importlib.util.spec_from_file_location(key, path)
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            sys.modules[key] = module
+            sys.modules[key] = module  # before running it: dataclasses look their module up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[key]
+                raise
     return sys.modules[key]
 
 
