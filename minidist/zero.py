@@ -1,0 +1,394 @@
+"""ZeRO: data parallelism that keeps each piece of model state on one rank instead of all.
+
+Equals: one process training on the whole batch with the same torch optimizer (SGD, Adam,
+AdamW; any elementwise one), the loss a mean over the batch and each rank's loss the mean over
+its equal share. float64: 1e-12 relative (the batch is summed in another order); every rank's
+optimizer state equals the matching slice of that one process's state.
+Communication per step, per rank (p ranks, Psi trainable elements of b bytes, with the ring):
+ZeRO-1/2 reduce-scatter the gradients and all-gather the parameters: 2 (p-1)/p Psi b, what
+data parallelism's all-reduce sends; ZeRO-3 3 (p-1)/p Psi b (zero3.py). Plus an all-reduce of
+one "used" flag per parameter, as in data_parallel.
+Memory per rank (k optimizer states per element, Adam k=2): data parallel (2 + k) Psi b;
+ZeRO-1 (2 + k/p) Psi b; ZeRO-2 (1 + (1+k)/p) Psi b; ZeRO-3 (2 + k)/p Psi b. The paper's mixed
+precision: 2 + 2 + 12 bytes per element, 16 Psi -> 4 Psi + 12 Psi/p -> ... -> 16 Psi/p.
+Ladder: partition (flat buffers cut into p equal shards) -> ZeRO1 (each rank steps only its
+shard of the optimizer state, then all-gathers the parameters) -> ZeRO2 (gradients
+reduce-scattered bucket by bucket during backward) -> ZeRO3 (zero3.py: parameters sharded,
+gathered layer by layer) -> clip_grad_norm_, state_dict / load_state_dict (any world size).
+Paper: Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion Parameter Models
+(SC 2020), sections 5 and 7.   Lesson: lessons/07_zero/.
+Run: minidist run -n 4 --backend mpi lessons/07_zero/demo.py
+
+Usage, any stage:
+
+    zero = wrap(model, comm, torch.optim.AdamW, stage=2, optimizer_kwargs={"lr": 1e-3})
+    loss = loss_fn(zero(x_local), y_local)     # x_local: (B/p, ...), this rank's share
+    loss.backward()                            # ZeRO-2/3: reduce-scatters start in here
+    zero.clip_grad_norm_(1.0)                  # optional: the global norm across shards
+    zero.step()                                # waits for the gradients, steps, all-gathers
+    zero.zero_grad()
+
+Decisions a user must know:
+- Parameters are grouped in *units* (ZeRO-1: one; ZeRO-2: buckets of bucket_bytes in backward
+  order; ZeRO-3: one per module). A unit's parameters are laid end to end in one flat buffer,
+  padded to a multiple of p, and rank r owns elements [r S, (r+1) S); a shard boundary may fall
+  inside a parameter. The model's parameters become views into the flat buffers.
+- Frozen parameters and buffers stay whole on every rank, rank 0's at wrap time (broadcast).
+- A parameter with no gradient on any rank keeps none (the optimizer skips it, as in one
+  process); with no gradient on some ranks only, those count zero.
+- Gradient accumulation: call finish_gradient_sync() after each backward; shards accumulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from minidist.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [lo, hi) of parameter `index` (flattened) live at shard[at : at + hi - lo]."""
+
+    index: int
+    lo: int
+    hi: int
+    at: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Tensors of `numels` elements laid end to end, padded to p * shard_numel, cut in p."""
+
+    numels: tuple[int, ...]
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-sum(self.numels) // self.world_size)  # ceil: the padding is < p elements
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each tensor starts in the flat buffer."""
+        return [sum(self.numels[:i]) for i in range(len(self.numels))]
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parts of tensors in rank's shard [rank S, (rank+1) S), in order; no empty ones."""
+        # lab 07.1 begin: intersect each tensor's range [off, off+n) with this rank's shard
+        first, last = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        found = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels, strict=True)):
+            lo, hi = max(off, first), min(off + n, last)
+            if lo < hi:
+                found.append(Piece(i, lo - off, hi - off, lo - first))
+        # lab 07.1 end
+        return found
+
+
+def partition(numels: list[int], world_size: int) -> Plan:
+    """The plan for one unit: which elements of which tensor each of world_size ranks owns."""
+    if world_size < 1 or any(n < 0 for n in numels):
+        raise ValueError(f"need world_size >= 1 and sizes >= 0, got {world_size}, {numels}")
+    return Plan(tuple(numels), world_size)
+
+
+def group_by_bytes(params: list, bucket_bytes: int | None) -> list[list]:
+    """Consecutive parameters in buckets of at least bucket_bytes (None: one bucket); a bucket
+    also closes where dtype or device changes (a flat buffer holds one)."""
+    groups, filled = [], 0
+    for q in params:
+        full = bucket_bytes is not None and filled >= bucket_bytes
+        if not groups or full or (q.dtype, q.device) != (groups[-1][0].dtype, groups[-1][0].device):
+            groups.append([])
+            filled = 0
+        groups[-1].append(q)
+        filled += q.numel() * q.element_size()
+    return groups
+
+
+class _Launcher:
+    """Starts collectives: the comm's own (asynchronous), or the hand-written ring on one
+    background thread (it is blocking code), so either overlaps with compute. One worker
+    runs them in launch order, the same order on every rank."""
+
+    def __init__(self, comm, algorithm: str):
+        if algorithm not in ("library", "ring"):
+            raise ValueError(f"algorithm={algorithm!r} is not 'library' or 'ring'")
+        self.comm = comm
+        self.pool = ThreadPoolExecutor(1) if algorithm == "ring" else None
+
+    def _start(self, library_work, ring_fn, *args):
+        if self.pool is None:
+            return library_work()
+        future = self.pool.submit(ring_fn, *args, self.comm)
+        # a Work; not future.wait = future.result: that cycle would keep the result, a whole
+        # buffer, alive until the garbage collector runs
+        return SimpleNamespace(wait=future.result)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        issue = lambda: self.comm.ireduce_scatter(out, inp, "sum")  # noqa: E731
+        return self._start(issue, ring_reduce_scatter, out, inp)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        return self._start(lambda: self.comm.iall_gather(out, inp), ring_all_gather, out, inp)
+
+    def all_reduce(self, t: torch.Tensor):
+        return self._start(lambda: self.comm.iall_reduce(t, "sum"), ring_all_reduce, t)
+
+
+class _Unit:
+    """Parameters sharded together: a flat buffer (p S,) of them all, this rank's shard (S,),
+    and the bookkeeping of one backward. The parameters become views into the flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], comm, own_shard: bool):
+        p, r = comm.world_size, comm.rank
+        self.params, self.plan = params, partition([q.numel() for q in params], p)
+        S = self.plan.shard_numel
+        full = torch.zeros(p * S, dtype=params[0].dtype, device=params[0].device)  # (p S,)
+        with torch.no_grad():
+            for q, off in zip(params, self.plan.offsets, strict=True):
+                full[off : off + q.numel()].copy_(q.reshape(-1))
+        comm.broadcast(full, 0)  # every rank starts from rank 0's values
+        self.shard = full[r * S : (r + 1) * S]  # (S,) a view: the optimizer updates it
+        if own_shard:  # ZeRO-3: the shard is all that stays; the full buffer comes and goes
+            self.shard = self.shard.clone()
+            # a fresh buffer that no comm ever sees: the MPI backend exposes buffers through
+            # numpy, which makes a storage non-resizable for good, and zero3 frees by resizing
+            full = torch.empty_like(full)
+        self.flat = full
+        for q, off in zip(params, self.plan.offsets, strict=True):
+            q.data = self.flat[off : off + q.numel()].view_as(q)
+        if own_shard:
+            self.flat.untyped_storage().resize_(0)  # freed until zero3 gathers it
+        self.pieces = self.plan.pieces(r)
+        self.tensors = [self.shard[c.at : c.at + c.hi - c.lo] for c in self.pieces]  # views
+        self.ready = [False] * len(params)  # got this backward's gradient
+        # used: 1 where this rank had a gradient this round (P,); has_grad: some rank had one
+        self.used = torch.zeros(len(params), dtype=full.dtype, device=full.device)
+        self.has_grad = [False] * len(params)  # ... since zero_grad
+        self.grad_shard: torch.Tensor | None = None  # (S,) the averaged gradient, this shard
+        self.work = self.grad_flat = self.recv = None  # a reduce-scatter in flight
+        self.gather_work = self.landing = None  # ZeRO-3: an all-gather in flight
+
+
+class ZeRO1(nn.Module):
+    """Stage 1: the optimizer state is sharded; each rank steps only its shard of every unit.
+
+    The optimizer (a real torch one) gets views into this rank's shard as its parameters, one
+    per Piece: a parameter without a gradient is skipped exactly as in one process. After
+    backward, finish_gradient_sync reduce-scatters each unit's gradients (rank r receives the
+    sum over ranks of its shard); step() all-gathers the updated shards into every rank's model.
+    """
+
+    own_shard = False  # ZeRO-3 keeps only the shard of the parameters
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm,
+        optimizer,
+        optimizer_kwargs: dict | None = None,
+        bucket_bytes: int | None = None,
+        algorithm: str = "library",
+        groups: list[list[nn.Parameter]] | None = None,
+    ):
+        super().__init__()
+        self.module, self.comm = module, comm
+        self.launcher = _Launcher(comm, algorithm)
+        trainable = [q for q in module.parameters() if q.requires_grad][::-1]  # backward order
+        if not trainable:
+            raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
+        groups = groups if groups is not None else group_by_bytes(trainable, bucket_bytes)
+        self.units = [_Unit(g, comm, self.own_shard) for g in groups]
+        self.where = {id(q): (u, i) for u in self.units for i, q in enumerate(u.params)}
+        if len(self.where) != len(trainable):
+            raise ValueError(f"groups hold {len(self.where)} of {len(trainable)} parameters")
+        names = {id(q): n for n, q in module.named_parameters()}
+        self.names = [[names[id(q)] for q in u.params] for u in self.units]
+        with torch.no_grad():  # frozen parameters and buffers: rank 0's, whole, everywhere
+            for t in [*(q for q in module.parameters() if not q.requires_grad), *module.buffers()]:
+                comm.broadcast(t.data, 0)
+        tensors = [t for u in self.units for t in u.tensors]
+        # a rank whose shard is all padding gets one empty tensor: step() works everywhere
+        self.optimizer = optimizer(tensors or [torch.zeros(0)], **(optimizer_kwargs or {}))
+        self.next_launch, self.in_flight, self.pending = 0, [], False
+        for q in trainable:
+            # fires once per backward, after q.grad holds this backward's full gradient
+            q.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        unit, i = self.where[id(param)]
+        unit.ready[i] = True
+        self.pending = True
+
+    def _launch_ready(self, all_remaining: bool) -> None:
+        """Launch units in order while the next one is complete (or all, at the end): every
+        rank issues the same collectives in the same order, whatever its data used."""
+        while self.next_launch < len(self.units):
+            unit = self.units[self.next_launch]
+            if not (all_remaining or all(unit.ready)):
+                return
+            for earlier in self.in_flight:  # at most one unit's full gradient in flight
+                self._land(earlier)
+            self.in_flight = [unit]
+            self._launch(unit)
+            self.next_launch += 1
+
+    def _launch(self, unit: _Unit) -> None:
+        """Copy the unit's gradients into a padded flat buffer, free them, reduce-scatter."""
+        # lab 07.2 begin: fill unit.grad_flat (zeros where no grad), note unit.used, free .grad
+        unit.grad_flat = torch.zeros_like(unit.flat, memory_format=torch.contiguous_format)
+        for i, (q, off) in enumerate(zip(unit.params, unit.plan.offsets, strict=True)):
+            unit.used[i] = float(q.grad is not None)
+            if q.grad is not None:
+                unit.grad_flat[off : off + q.numel()].copy_(q.grad.reshape(-1))
+                q.grad = None  # the full gradient goes: only this rank's shard will stay
+        unit.recv = torch.empty_like(unit.shard)  # (S,)
+        unit.work = self.launcher.reduce_scatter(unit.recv, unit.grad_flat)
+        # lab 07.2 end
+
+    def _land(self, unit: _Unit) -> None:
+        """Wait for a unit's reduce-scatter; add the average into its gradient shard."""
+        unit.work.wait()
+        unit.recv.div_(self.comm.world_size)  # the mean over ranks' means: the batch mean
+        if unit.grad_shard is None:
+            unit.grad_shard = unit.recv
+        else:
+            unit.grad_shard.add_(unit.recv)
+        unit.work = unit.grad_flat = unit.recv = None
+
+    def finish_gradient_sync(self) -> None:
+        """Launch what is left, wait for all, and hand the optimizer its gradient shards."""
+        if not self.pending:
+            return
+        self._launch_ready(all_remaining=True)
+        for unit in self.in_flight:
+            self._land(unit)
+        flags = torch.cat([u.used for u in self.units])  # (P,) 1 where this rank had a grad
+        self.launcher.all_reduce(flags).wait()  # now: on how many ranks
+        at = 0
+        for unit in self.units:
+            n = len(unit.params)
+            mine = flags[at : at + n].tolist()
+            unit.has_grad = [h or f > 0 for h, f in zip(unit.has_grad, mine, strict=True)]
+            at += n
+            for piece, t in zip(unit.pieces, unit.tensors, strict=True):
+                view = unit.grad_shard[piece.at : piece.at + t.numel()]
+                t.grad = view if unit.has_grad[piece.index] else None
+            unit.ready = [False] * n
+        self.next_launch, self.in_flight, self.pending = 0, [], False
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so their global 2-norm is at most max_norm; return the norm.
+
+        The norm needs every shard: a sum of squares per rank (in float64), then an all-reduce
+        of one number. The formula of torch.nn.utils.clip_grad_norm_ (coefficient <= 1).
+        """
+        self.finish_gradient_sync()
+        grads = [t.grad for u in self.units for t in u.tensors if t.grad is not None]
+        # lab 07.3 begin: sum of squares of this rank's shard, all-reduce it, scale by the coef
+        squares = torch.zeros(1, dtype=torch.float64, device=self.units[0].flat.device)
+        for g in grads:
+            squares += g.double().pow(2).sum()
+        self.launcher.all_reduce(squares).wait()
+        norm = squares.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        # lab 07.3 end
+        return norm[0]
+
+    def step(self) -> None:
+        """Finish the gradients, step this rank's shard, make every rank's parameters whole."""
+        self.finish_gradient_sync()
+        self.optimizer.step()
+        self._publish()
+
+    def _publish(self) -> None:
+        """All-gather each unit's updated shard into every rank's flat buffer (the model)."""
+        # the input is a copy: a collective's input may not overlap its output (MPI)
+        works = [self.launcher.all_gather(u.flat, u.shard.clone()) for u in self.units]
+        for work in works:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient: the shards, the optimizer's views and any left in the model."""
+        for unit in self.units:
+            unit.grad_shard, unit.has_grad = None, [False] * len(unit.params)
+            for t in [*unit.params, *unit.tensors]:
+                t.grad = None
+
+    def gathered(self):
+        """A context in which every parameter holds its full value (ZeRO-3 gathers them)."""
+        return contextlib.nullcontext()
+
+    def shard_pieces(self) -> list[tuple[str, int, int, torch.Tensor]]:
+        """(parameter name, lo, hi, the optimizer's tensor) for every piece this rank owns."""
+        return [
+            (self.names[k][c.index], c.lo, c.hi, t)
+            for k, u in enumerate(self.units)
+            for c, t in zip(u.pieces, u.tensors, strict=True)
+        ]
+
+    def state_dict(self, dst: int = 0) -> dict | None:
+        """The full state, consolidated on rank dst (None elsewhere): zero3.consolidate."""
+        from minidist import zero3  # zero3 builds on this module: imported when used
+
+        return zero3.consolidate(self, dst)
+
+    def load_state_dict(self, state: dict | None, src: int = 0) -> None:
+        """Load a consolidated state given on rank src, into a world of any size."""
+        from minidist import zero3
+
+        zero3.load_consolidated(self, state, src)
+
+
+class ZeRO2(ZeRO1):
+    """Stage 2: gradients are sharded too. Each unit (a bucket of bucket_bytes, in backward
+    order) is reduce-scattered the moment its last gradient arrives, overlapping the rest of
+    backward, and its full gradients are freed: a rank never holds more than the gradients of
+    the unit being filled, one unit in flight, and its shards."""
+
+    def __init__(self, module: nn.Module, comm, optimizer, optimizer_kwargs=None, **options):
+        options.setdefault("bucket_bytes", 1 << 20)
+        super().__init__(module, comm, optimizer, optimizer_kwargs, **options)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        unit, _ = self.where[id(param)]
+        if self.units.index(unit) < self.next_launch:
+            raise RuntimeError(
+                "a gradient arrived after its unit was reduce-scattered: call "
+                "finish_gradient_sync() (or step()) after each backward"
+            )
+        super()._on_grad(param)
+        self._launch_ready(all_remaining=False)
+
+
+def wrap(module: nn.Module, dp_comm, optimizer, stage: int, optimizer_kwargs=None, **options):
+    """ZeRO1, ZeRO2 or ZeRO3 (stage 1, 2, 3) around module over dp_comm.
+
+    optimizer: a torch optimizer class, or any callable(tensors, **optimizer_kwargs).
+    options: algorithm ("library" or "ring"), bucket_bytes (1, 2), units (3: the modules whose
+    parameters are gathered together).
+    """
+    if stage == 3:
+        from minidist.zero3 import ZeRO3  # zero3 builds on this module: import late
+
+        return ZeRO3(module, dp_comm, optimizer, optimizer_kwargs, **options)
+    if stage not in (1, 2):
+        raise ValueError(f"stage={stage} is not 1, 2 or 3 (stage 0 is data_parallel)")
+    rung = ZeRO1 if stage == 1 else ZeRO2
+    return rung(module, dp_comm, optimizer, optimizer_kwargs, **options)
