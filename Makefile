@@ -26,9 +26,15 @@ test-fast: venv
 demo: venv
 	$(VENV)/bin/minidist run -n 4 --backend mpi lessons/02_collectives/demo.py
 
+# every benchmark, side by side with its formula; one run on a shared machine: read the ratios
 bench: venv
 	$(VENV)/bin/minidist bench allreduce -n 2 --backend mpi
 	$(VENV)/bin/minidist bench p2p -n 2 --backend mpi
+	$(VENV)/bin/minidist bench dp -n 2 --backend mpi
+	$(VENV)/bin/minidist bench tp -n 2 --backend mpi
+	$(VENV)/bin/minidist bench pipeline -n 2 --backend mpi
+	$(VENV)/bin/minidist bench sgd -n 4 --backend mpi
+	$(VENV)/bin/minidist bench batch
 
 # grade a learner's lab: the lesson's tests, run against lessons/$(L)_*/lab.py
 lab: venv

@@ -145,9 +145,11 @@ def format_p2p(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `minidist bench` (the parent and every rank parse the same ones)."""
-    p.add_argument("what", choices=("allreduce", "p2p"))
+def add_arguments(p: argparse.ArgumentParser, what: bool = True) -> None:
+    """The flags of `minidist bench allreduce|p2p` (the parent and every rank parse the same
+    ones; the parent's `what` comes from its subcommand)."""
+    if what:
+        p.add_argument("what", choices=("allreduce", "p2p"))
     p.add_argument("-n", type=int, default=2, help="number of ranks")
     p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"))

@@ -1,7 +1,9 @@
 """The `minidist` command: `minidist run`, `minidist bench`, ...
 
-minidist run -n 4 --backend mpi script.py args...     start 4 ranks on this machine
-minidist bench allreduce -n 2 --backend mpi           nccl-tests style tables
+minidist run -n 4 --backend mpi script.py args...      start 4 ranks on this machine
+minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
+minidist bench dp|tp|pipeline|sgd|batch ...            the techniques, measured
+minidist schedule --schedule 1f1b --stages 4 --microbatches 8   a pipeline schedule, drawn
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import sys
 
 from .launch import BACKENDS, launch, run_threads
+from .schedules import add_schedule_command
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -33,11 +36,17 @@ def _add_run(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from . import bench  # the flags live beside the benchmark, which every rank parses too
+    # each benchmark keeps its flags beside it: the parent and every rank parse the same ones
+    from . import bench, bench_batch, bench_dp, bench_pipeline, bench_sgd, bench_tp
 
-    p = sub.add_parser("bench", help="nccl-tests style tables: hand-written vs library")
-    bench.add_arguments(p)
-    p.set_defaults(func=bench.main)
+    p = sub.add_parser("bench", help="measure: collectives and every technique")
+    kinds = p.add_subparsers(dest="what", required=True)
+    for what, about in (("allreduce", "all-reduce: hand-written vs library"), ("p2p", "ping-pong")):
+        q = kinds.add_parser(what, help=f"nccl-tests style table, {about}")
+        bench.add_arguments(q, what=False)
+        q.set_defaults(func=bench.main, what=what)
+    for module in (bench_dp, bench_tp, bench_pipeline, bench_sgd, bench_batch):
+        module.add_parser(kinds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
+    add_schedule_command(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
