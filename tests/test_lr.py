@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from minidist import accumulation
+from minidist import accumulation, amp
 from minidist.testing import check_all, impl, run_threads
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; the sum over rows happens in another order
@@ -94,6 +94,22 @@ def test_scaling_rules_and_bad_settings():
         lr.lr_at(0, 1.0, 5, 3)
     with pytest.raises(ValueError, match="decay='step' is not one of"):
         lr.lr_at(0, 1.0, 1, 3, decay="step")
+
+
+@pytest.mark.pure
+def test_the_schedule_drives_the_mixed_precision_optimizer():
+    """Anything with param_groups: here the master-weights wrapper of lesson 09."""
+    lr = impl("lr")
+    model = nn.Linear(3, 1)
+    mp = amp.MixedPrecisionOptimizer(model, lambda ps: torch.optim.SGD(ps, lr=0.4), amp.BF16)
+    schedule = lr.WarmupDecay(mp, warmup_steps=4, total_steps=8, decay="linear")
+    seen = []
+    for _ in range(8):
+        seen.append(mp.optimizer.param_groups[0]["lr"])
+        mp.backward(model(torch.ones(2, 3, dtype=torch.bfloat16)).float().sum())
+        mp.step()
+        schedule.step()
+    assert seen == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.3, 0.2, 0.1])
 
 
 class Net(nn.Module):
