@@ -12,6 +12,8 @@ batch is summed in another order: per rank, then across ranks).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -414,6 +416,25 @@ def test_bytes_sent_equal_data_parallel_and_one_and_a_half_times_for_zero3(p):
     formula = impl("zero3").sent_nbytes
     for s in range(4):
         assert sent[s] - flags == p * formula(s, n, p, 8), (s, sent)
+
+
+@pytest.mark.threads
+def test_bench_zero_json_matches_the_formulas(capsys):
+    """`minidist bench zero` on thread-ranks, tiny: the counted figures are the formulas."""
+    import argparse
+
+    from minidist import bench_zero
+
+    parser = argparse.ArgumentParser()
+    bench_zero.add_parser(parser.add_subparsers())  # as `minidist bench` adds it
+    argv = "zero -n 2 --backend threads --layers 2 --width 8 --steps 1 --json".split()
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert [row["stage"] for row in result["rows"]] == [0, 1, 2, 3]
+    for row in result["rows"]:
+        want = bench_zero.formulas(row["stage"], 2 * 8 * 8, 2, 2)
+        assert row["held"] == want["held"] and row["sent"] == want["sent"], (row, want)
 
 
 # ---- pure: the plan, the buckets, the formulas, the refusals -----------------------------
