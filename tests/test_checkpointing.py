@@ -233,4 +233,4 @@ def checkpointed_data_parallel(comm, n: int, policy) -> None:
 @pytest.mark.threads
 @pytest.mark.parametrize("p, n, policy", [(1, 3, "block"), (3, 5, "sqrt"), (4, 4, 3)])
 def test_checkpointing_under_data_parallelism(p, n, policy):
-    run_threads(checkpointed_data_parallel, p, n, policy, timeout=30, comm_timeout=10)
+    run_threads(checkpointed_data_parallel, p, n, policy, timeout=60, comm_timeout=20)

@@ -199,4 +199,4 @@ def accumulate_data_parallel(comm, m: int, seed: int) -> None:
 @pytest.mark.threads
 @pytest.mark.parametrize("p, m", [(1, 3), (2, 1), (3, 2), (4, 3)])
 def test_accumulation_under_data_parallelism(p, m):
-    run_threads(accumulate_data_parallel, p, m, p * 10 + m, timeout=30, comm_timeout=10)
+    run_threads(accumulate_data_parallel, p, m, p * 10 + m, timeout=60, comm_timeout=20)
