@@ -33,6 +33,7 @@ bench: venv
 	$(VENV)/bin/minidist bench dp -n 2 --backend mpi
 	$(VENV)/bin/minidist bench tp -n 2 --backend mpi
 	$(VENV)/bin/minidist bench pipeline -n 2 --backend mpi
+	$(VENV)/bin/minidist bench zero -n 2 4 --backend mpi
 	$(VENV)/bin/minidist bench sgd -n 4 --backend mpi
 	$(VENV)/bin/minidist bench batch
 

@@ -2,7 +2,7 @@
 
 minidist run -n 4 --backend mpi script.py args...      start 4 ranks on this machine
 minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
-minidist bench dp|tp|pipeline|sgd|batch ...            the techniques, measured
+minidist bench dp|tp|pipeline|zero|sgd|batch ...            the techniques, measured
 minidist schedule --schedule 1f1b --stages 4 --microbatches 8   a pipeline schedule, drawn
 """
 
@@ -37,7 +37,7 @@ def _add_run(sub) -> None:
 
 def _add_bench(sub) -> None:
     # each benchmark keeps its flags beside it: the parent and every rank parse the same ones
-    from . import bench, bench_batch, bench_dp, bench_pipeline, bench_sgd, bench_tp
+    from . import bench, bench_batch, bench_dp, bench_pipeline, bench_sgd, bench_tp, bench_zero
 
     p = sub.add_parser("bench", help="measure: collectives and every technique")
     kinds = p.add_subparsers(dest="what", required=True)
@@ -45,7 +45,7 @@ def _add_bench(sub) -> None:
         q = kinds.add_parser(what, help=f"nccl-tests style table, {about}")
         bench.add_arguments(q, what=False)
         q.set_defaults(func=bench.main, what=what)
-    for module in (bench_dp, bench_tp, bench_pipeline, bench_sgd, bench_batch):
+    for module in (bench_dp, bench_tp, bench_pipeline, bench_zero, bench_sgd, bench_batch):
         module.add_parser(kinds)
 
 
