@@ -91,7 +91,7 @@ LABS = {
         "module": "minidist/parameter_server.py",
         "impl": "parameter_server",
         "grade": ["tests/test_sgd.py", "-m", "not processes"],
-        "probe": ["tests/test_sgd.py", "-m", "not processes"],
+        "probe": ["tests/test_sgd.py", "-k", "pushed_twice or parameter_server_threads"],
     },
     "09": {
         "folder": "lessons/09_mixed_precision",
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("lesson")
     g.add_argument("--file", help="grade this file instead of the lesson's lab.py")
     u = sub.add_parser("unfilled", help="prove lesson NN's tests fail on an unfilled lab")
-    u.add_argument("lesson", nargs="?", help="default: every lesson")
+    u.add_argument("lessons", nargs="*", help="default: every lesson")
     args, pytest_args = parser.parse_known_args(argv)  # grade passes the rest on to pytest
     if pytest_args and args.verb != "grade":
         parser.error(f"unrecognized arguments: {' '.join(pytest_args)}")
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if problems else 0
         if args.verb == "grade":
             return grade(args.lesson.zfill(2), args.file, pytest_args)
-        lessons = [args.lesson.zfill(2)] if args.lesson else list(LABS)
+        lessons = [lesson.zfill(2) for lesson in args.lessons] or list(LABS)
         problems = [p for lesson in lessons for p in unfilled(lesson)]
         print("\n".join(problems) or "every region is caught by its tests")
         return 1 if problems else 0
