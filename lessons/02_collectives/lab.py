@@ -13,9 +13,10 @@ Communication per step, per rank (p ranks, N elements of b bytes, only point-to-
     naive               root receives and sends (p-1) N b; others send N b, receive N b
     recursive doubling  log2(p) exchanges of N b (+1 each way on the extra ranks if p is not
                         a power of two): latency-optimal, bandwidth-poor
-    ring                2 (p-1) messages of N/p elements: sends 2 (p-1)/p N b, all to rank+1
-Memory per rank: naive and recursive doubling N b extra, ring N/p b extra (plus N b when the
-tensor is not contiguous, for a contiguous copy).
+    ring                2 (p-1) steps of N/p elements: sends 2 (p-1)/p N b, all to rank+1
+                        (a reduce-scatter step's chunk goes in pieces of PIECE_BYTES)
+Memory per rank: naive and recursive doubling N b extra, the ring 2 pieces (at most
+2 PIECE_BYTES) extra; N b more when the tensor is not contiguous (a contiguous copy).
 Ladder: naive (root folds in rank order) -> recursive_doubling (log2 p rounds, for small
 messages) -> ring_reduce_scatter + ring_all_gather = ring_all_reduce (bandwidth-optimal) ->
 all_reduce picks by size.
@@ -29,13 +30,19 @@ from __future__ import annotations
 
 import torch
 
-from minidist.comm.protocol import Comm, check_op, check_peer, reduce_
+from minidist.comm.protocol import Comm, Work, check_op, check_peer, reduce_
 
 ALGORITHMS = ("naive", "recursive_doubling", "ring")
-# all_reduce(algorithm="auto") switches to the ring from this many bytes on; measured with
-# `minidist bench allreduce -n 2 --backend mpi` on a 2-core machine (the crossover lay between
-# 16 KiB and 64 KiB); larger worlds favour recursive doubling for longer (log2 p vs 2(p-1) rounds)
-RING_FROM_BYTES = 32 * 1024
+# all_reduce(algorithm="auto") switches to the ring from this many bytes on. Measured with
+# `minidist bench allreduce -n 2 --backend mpi` on a 2-core machine: recursive doubling (1
+# exchange) beat the ring (2 steps) up to 1 MiB, they tied at 2 MiB, the ring won from 4 MiB.
+# Each message costs ~10 us of Python here, so fewer rounds win for long; with more ranks the
+# ring wins earlier (recursive doubling sends log2(p) N bytes per rank, the ring 2 (p-1)/p N)
+RING_FROM_BYTES = 2 << 20
+# the ring moves a chunk in pieces of at most this many bytes, received into two reused slots:
+# a scratch buffer as large as a chunk would be allocated, and page-faulted, on every call
+# (about 15 ms for 32 MiB here, more than sending it), and pieces let receiving overlap reducing
+PIECE_BYTES = 1 << 20
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -50,12 +57,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
-def _finish(t: torch.Tensor, flat: torch.Tensor, op: str, p: int) -> torch.Tensor:
-    """Divide once for "avg", then copy the result into t unless flat already is t's memory."""
-    if op == "avg":
-        flat.div_(p)
-    if flat.data_ptr() != t.data_ptr():  # flat is a copy (t is strided, or a work buffer)
-        t.detach().copy_(flat.view(t.shape))
+def _copy_back(t: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """t, holding result's values: copied in unless result already is t's memory."""
+    if result.data_ptr() != t.data_ptr():  # a copy (t is strided) or a work buffer
+        t.detach().copy_(result.view(t.shape))
     return t
 
 
@@ -76,13 +81,13 @@ def naive_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tens
             comm.recv(got, src)
             reduce_(flat, got, op)
         if op == "avg":
-            flat.div_(p)
+            flat.div_(p)  # once, at the root: every rank gets the same quotient
         for dst in range(1, p):
             comm.send(flat, dst)
-        return _finish(t, flat, "sum", p)
+        return _copy_back(t, flat)
     comm.send(flat, 0)
-    comm.recv(flat, 0)  # the root's result, already divided for "avg"
-    return _finish(t, flat, "sum", p)
+    comm.recv(flat, 0)  # the root's result
+    return _copy_back(t, flat)
 
 
 def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tensor:
@@ -104,7 +109,7 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
     if r < 2 * extra and r % 2 == 0:
         comm.send(acc, r + 1)  # sit out: the odd partner reduces for both of us
         comm.recv(acc, r + 1)  # ... and sends the final result back
-        return _finish(t, acc, op, p)
+        return _copy_back(t, acc.div_(p) if op == "avg" else acc)
     if r < 2 * extra:
         comm.recv(got, r - 1)
         reduce_(got, acc, op)  # the lower rank's value first (see below)
@@ -114,26 +119,55 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
         "Lab 02.3: swap acc with real peer of virtual rank v ^ mask, lower rank's value first"
     )
     if r < 2 * extra:
-        comm.send(acc, r - 1)
-    if acc is not flat:
-        flat.copy_(acc)
-    return _finish(t, flat, op, p)
+        comm.send(acc, r - 1)  # the sum, undivided: the partner divides it just like we do
+    return _copy_back(t, acc.div_(p) if op == "avg" else acc)
 
 
 def _ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
     """Reduce-scatter buf (N,) in place around the ring; afterwards this rank's chunk of buf,
     buf[lo_r:hi_r] with chunk_bounds, holds the reduction over all ranks (not divided for
     "avg"). The other chunks hold partial sums. p-1 steps, each sends one chunk to rank+1 and
-    receives one from rank-1."""
+    receives one from rank-1, in pieces of at most PIECE_BYTES."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     bounds = chunk_bounds(buf.numel(), p)
-    # the last chunk is the largest: ceil(N/p) elements
-    got = torch.empty(bounds[-1][1] - bounds[-1][0], dtype=buf.dtype, device=buf.device)
+    piece = max(1, PIECE_BYTES // buf.element_size())
+    # two slots: one piece arrives while the other is reduced (the last chunk is the largest)
+    scratch = buf.new_empty((2, min(piece, bounds[-1][1] - bounds[-1][0])))
     raise NotImplementedError(
         "Lab 02.1: send chunk (r-s-1)%p right, receive (r-s-2)%p from the left, reduce it in"
     )
     return buf
+
+
+def _isend_pieces(x: torch.Tensor, comm: Comm, dst: int, piece: int) -> list[Work]:
+    """Start sending x (n,) to dst as ceil(n/piece) messages (none if n = 0)."""
+    return [comm.isend(x[i : i + piece], dst) for i in range(0, x.numel(), piece)]
+
+
+def _recv_reduce_pieces(
+    acc: torch.Tensor, comm: Comm, src: int, op: str, piece: int, scratch: torch.Tensor
+) -> torch.Tensor:
+    """acc (n,) <- acc (op) what src sends with _isend_pieces(.., piece), through scratch
+    (2, >= min(piece, n)).
+
+    Piece j+1 is already being received into one slot while piece j, in the other, is reduced:
+    the network and the adder work at the same time, and a piece is reduced while it is still
+    in cache. Only 2 pieces of extra memory, however large acc: no allocation per chunk.
+    """
+    n = acc.numel()
+    starts = range(0, n, piece)
+    pending = {}
+    for j, i in enumerate(starts):
+        m = min(piece, n - i)
+        if j == 0:
+            pending[0] = comm.irecv(scratch[0, :m], src)
+        if j + 1 < len(starts):  # slot (j+1)%2 held piece j-1, already reduced
+            m_next = min(piece, n - starts[j + 1])
+            pending[j + 1] = comm.irecv(scratch[(j + 1) % 2, :m_next], src)
+        pending.pop(j).wait()
+        reduce_(acc[i : i + m], scratch[j % 2, :m], op)
+    return acc
 
 
 def _ring_all_gather_flat(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -154,7 +188,7 @@ def ring_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tenso
 
     Each rank: t any shape, the same on every rank (numel need not divide by p). A ring
     reduce-scatter leaves rank r with the reduced chunk r; for "avg" it divides just that chunk;
-    a ring all-gather hands every chunk to every rank. Sends 2 (p-1) messages, 2 (p-1)/p N b in
+    a ring all-gather hands every chunk to every rank. 2 (p-1) steps; sends 2 (p-1)/p N b in
     all (for N divisible by p), all to rank+1; receives as many from rank-1.
     """
     check_op(op, t.dtype)
@@ -165,7 +199,7 @@ def ring_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tenso
         lo, hi = chunk_bounds(flat.numel(), p)[r]
         flat[lo:hi].div_(p)  # one division per element, before the copies: every rank agrees
     _ring_all_gather_flat(flat, comm)
-    return _finish(t, flat, "sum", p)
+    return _copy_back(t, flat)
 
 
 def ring_reduce_scatter(
@@ -191,7 +225,7 @@ def ring_reduce_scatter(
     buf = inp.detach().reshape(-1).clone()  # (N,): a work copy, so inp stays as it was
     _ring_reduce_scatter_flat(buf, comm, op)
     mine = buf[lo:hi]  # (hi - lo,)
-    return _finish(out, mine, op, p)
+    return _copy_back(out, mine.div_(p) if op == "avg" else mine)
 
 
 def ring_all_gather(out: torch.Tensor, inp: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -212,7 +246,7 @@ def ring_all_gather(out: torch.Tensor, inp: torch.Tensor, comm: Comm) -> torch.T
     flat = _flat(out)  # (N,)
     flat[lo:hi] = inp.detach().reshape(-1)
     _ring_all_gather_flat(flat, comm)
-    return _finish(out, flat, "sum", p)
+    return _copy_back(out, flat)
 
 
 def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
@@ -239,7 +273,7 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
         if v + mask < p:
             comm.send(flat, (v + mask + src) % p)
         mask >>= 1
-    return _finish(t, flat, "sum", p)
+    return _copy_back(t, flat)
 
 
 def all_reduce(
