@@ -362,7 +362,9 @@ def properties_in_ranks(comm, max_examples: int) -> int:
                 all_gather_case(sub, dtype, shape, seed, strided)
                 broadcast_case(sub, dtype, shape, seed, strided)
             except Exception as e:  # reported through the verdict below
-                problem = f"{type(e).__name__}: {e}"
+                # ASCII, and short: verdict cuts messages at 4096 bytes, and a cut through a
+                # multi-byte character (gloo's errors carry an emoji) would fail to decode
+                problem = f"{type(e).__name__}: {e}"[:3000].encode("ascii", "replace").decode()
         verdict(comm, not problem, problem)
 
     prop()
