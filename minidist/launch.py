@@ -98,6 +98,7 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
         debug = os.environ.get("MINIDIST_DEBUG", "") not in ("", "0")
     if backend == "threads":
         comm = getattr(_local, "comm", None) or ThreadsWorld(1, timeout).comm(0)
+        comm.timeout = timeout  # a thread-rank of minidist run honours its own setting too
     elif backend == "mpi":
         from .comm.mpi import MPIComm
 
