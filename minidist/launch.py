@@ -93,12 +93,14 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
     backend = backend or detect_backend()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    timeout = float(timeout or os.environ.get("MINIDIST_TIMEOUT") or DEFAULT_TIMEOUT)
+    asked = timeout or os.environ.get("MINIDIST_TIMEOUT")
+    timeout = float(asked or DEFAULT_TIMEOUT)
     if debug is None:
         debug = os.environ.get("MINIDIST_DEBUG", "") not in ("", "0")
     if backend == "threads":
         comm = getattr(_local, "comm", None) or ThreadsWorld(1, timeout).comm(0)
-        comm.timeout = timeout  # a thread-rank of minidist run honours its own setting too
+        if asked:  # a thread-rank of minidist run honours a timeout of its own too
+            comm.timeout = timeout
     elif backend == "mpi":
         from .comm.mpi import MPIComm
 
