@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.wrappers import Counter, ObservedComm
@@ -345,8 +345,10 @@ def properties_in_ranks(comm, max_examples: int) -> int:
     examples = [0]
 
     # no shrinking: a failing case may cost a timeout per try; the threads tier shrinks
-    @settings(RANK_SETTINGS, max_examples=max_examples, phases=[Phase.generate])
+    @settings(RANK_SETTINGS, max_examples=max_examples, phases=[Phase.explicit, Phase.generate])
     @given(st.integers(1, comm.world_size), ops, all_dtypes, shapes(max_side=5), seeds, layouts)
+    # an empty tensor with stride 2 counts as contiguous in torch, and MPI cannot view it as bytes
+    @example(k=2, op="avg", dtype=torch.float64, shape=(0,), seed=114, strided=True)
     def prop(k, op, dtype, shape, seed, strided):
         examples[0] += 1
         problem = ""
@@ -375,4 +377,4 @@ def properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_collectives_processes(backend):
     counts = run_ranks(properties_in_ranks, 4, backend, 25, timeout=240)
-    assert counts == [25] * 4  # every rank ran the same cases
+    assert len(set(counts)) == 1 and counts[0] >= 25, counts  # every rank ran the same cases
