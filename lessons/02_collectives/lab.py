@@ -52,9 +52,13 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of t's elements (sharing memory), or a contiguous copy if t is strided."""
+    """t's elements as a 1-D tensor with unit stride: a view of t when its memory allows, else
+    a copy. (torch calls every empty tensor contiguous, whatever its strides; backends that
+    view a buffer as bytes need stride 1, so an empty one is always a fresh copy.)"""
     t = t.detach()
-    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+    if t.is_contiguous() and t.numel() > 0:
+        return t.view(-1)
+    return t.clone(memory_format=torch.contiguous_format).view(-1)
 
 
 def _copy_back(t: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -222,7 +226,7 @@ def ring_reduce_scatter(
             f"{inp.dtype} (inp.numel()={inp.numel()}, world_size={p}), got {out.numel()} x "
             f"{out.dtype}"
         )
-    buf = inp.detach().reshape(-1).clone()  # (N,): a work copy, so inp stays as it was
+    buf = inp.detach().clone(memory_format=torch.contiguous_format).view(-1)  # (N,): inp stays
     _ring_reduce_scatter_flat(buf, comm, op)
     mine = buf[lo:hi]  # (hi - lo,)
     return _copy_back(out, mine.div_(p) if op == "avg" else mine)

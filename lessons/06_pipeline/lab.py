@@ -299,8 +299,7 @@ def place_comm(schedules: list[Program], cost_f: float = 1, cost_b: float = 2) -
 
 
 def _rows(timeline: Timeline | Rows) -> Rows:
-    """(stage, start, end, label) rows: measured rows as they are, or from a simulated Timeline
-    ('F3' the forward of microbatch 3, 'F3.1' on chunk 1 when there are chunks)."""
+    """(stage, start, end, label) rows, measured or simulated ('F3.1': forward, mb 3, chunk 1)."""
     if not (isinstance(timeline[0], list) and isinstance(timeline[0][0], tuple)):
         return list(map(tuple, timeline))
     chunked = any(op.chunk for ops in timeline for _, _, op in ops)
@@ -342,9 +341,8 @@ def text_grid(timeline: Timeline | Rows) -> str:
     grid = [["."] * round(max(r[2] for r in rows)) for _ in range(1 + max(r[0] for r in rows))]
     for s, a, b, name in rows:
         grid[s][round(a) : round(b)] = [name] * (round(b) - round(a))
-    return "\n".join(
-        f"stage {s} | " + " ".join(x.rjust(width) for x in cells) for s, cells in enumerate(grid)
-    )
+    lines = [" ".join(x.rjust(width) for x in cells) for cells in grid]
+    return "\n".join(f"stage {s} | {line}" for s, line in enumerate(lines))
 
 
 def draw_timeline(timeline: Timeline | Rows, path: str, title: str) -> None:
@@ -367,8 +365,7 @@ def draw_timeline(timeline: Timeline | Rows, path: str, title: str) -> None:
 
 
 def _schedule_command(args: argparse.Namespace) -> int:
-    """Print (or draw) one schedule, its bubble simulated with blocking send/recv and t_b = 2 t_f
-    (and with eager sends) beside the formula, and the peak stored activations per stage."""
+    """Print (or draw) a schedule, its simulated bubbles beside the formula, and peak memory."""
     name, p, m = args.schedule, args.stages, args.microbatches
     v = args.chunks if name == "interleaved" else 1
     try:
