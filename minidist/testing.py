@@ -183,7 +183,10 @@ def verdict(comm, ok: bool, message: str = "") -> None:
     texts = torch.empty(comm.world_size * 4096, dtype=torch.uint8, device=_device(comm))
     comm.all_gather(texts, text.to(_device(comm)))
     rows = texts.view(comm.world_size, 4096).cpu()
-    lines = [f"rank {r}: " + bytes(rows[r].tolist()).rstrip(b"\0").decode() for r in failing]
+    lines = [
+        f"rank {r}: " + bytes(rows[r].tolist()).rstrip(b"\0").decode(errors="replace")
+        for r in failing
+    ]
     raise AssertionError(f"{len(failing)} of {comm.world_size} ranks failed\n" + "\n".join(lines))
 
 

@@ -18,6 +18,8 @@ so every wait has a timeout that names the rank, operation, sequence number and 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .protocol import (
@@ -34,8 +36,10 @@ from .protocol import (
 )
 
 
+@functools.cache  # the import is cheap only the first time; every message asks for MPI
 def _mpi():
-    from mpi4py import MPI  # imported late: importing it initialises MPI
+    """The mpi4py.MPI module, imported on first use: importing it initialises MPI."""
+    from mpi4py import MPI
 
     return MPI
 
@@ -55,18 +59,16 @@ def _native_type(dtype: torch.dtype):
 
 
 class _RequestWork:
-    """One MPI request (or several), waited on with a timeout."""
+    """One MPI request, waited on with a timeout; `status` tells a receive's size."""
 
-    def __init__(self, comm: MPIComm, requests: list, what: str, seq: int, peer=None):
-        self.comm, self.requests, self.what, self.seq, self.peer = comm, requests, what, seq, peer
-        self.status = None
+    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None):
+        self.comm, self.request, self.what, self.seq, self.peer = comm, request, what, seq, peer
+        self.status = _mpi().Status()  # one per operation: polling allocates nothing
         self.done = False
 
     def is_completed(self) -> bool:
         if not self.done:
-            MPI = _mpi()
-            self.status = MPI.Status()
-            self.done = all(r.Test(self.status) for r in self.requests)
+            self.done = self.request.Test(self.status)
         return self.done
 
     def wait(self) -> None:
@@ -107,7 +109,7 @@ class MPIComm:
         self.seq += 1
         host = self._host(t)
         req = self.mpi_comm.Isend([flat_bytes(host).numpy(), _mpi().BYTE], dst, tag)
-        work = _RequestWork(self, [req], f"send(tag={tag})", self.seq, dst)
+        work = _RequestWork(self, req, f"send(tag={tag})", self.seq, dst)
         work.keep = host  # the buffer must outlive the request
         return work
 
@@ -117,7 +119,7 @@ class MPIComm:
         host = self._host(t)
         buf = flat_bytes(host)
         req = self.mpi_comm.Irecv([buf.numpy(), _mpi().BYTE], src, tag)
-        work = _RequestWork(self, [req], f"recv(tag={tag})", self.seq, src)
+        work = _RequestWork(self, req, f"recv(tag={tag})", self.seq, src)
 
         def finish():
             got = work.status.Get_count(_mpi().BYTE)
@@ -154,7 +156,7 @@ class MPIComm:
             buf = [flat_bytes(host).numpy(), mpi_type]
             req = self.mpi_comm.Iallreduce(_mpi().IN_PLACE, buf, self._mpi_op(op))
             fold = lambda: None  # noqa: E731
-        work = _RequestWork(self, [req], f"all_reduce(op={op})", self.seq)
+        work = _RequestWork(self, req, f"all_reduce(op={op})", self.seq)
 
         def finish():
             fold()
@@ -184,7 +186,7 @@ class MPIComm:
                 self._mpi_op(op),
             )
             fold = lambda: None  # noqa: E731
-        work = _RequestWork(self, [req], f"reduce_scatter(op={op})", self.seq)
+        work = _RequestWork(self, req, f"reduce_scatter(op={op})", self.seq)
 
         def finish():
             fold()
@@ -202,7 +204,7 @@ class MPIComm:
         req = self.mpi_comm.Iallgather(
             [flat_bytes(src).numpy(), MPI.BYTE], [flat_bytes(dst).numpy(), MPI.BYTE]
         )
-        work = _RequestWork(self, [req], "all_gather", self.seq)
+        work = _RequestWork(self, req, "all_gather", self.seq)
         work.keep = src
         return CallbackWork(work, self._back(dst, out))
 
@@ -211,7 +213,7 @@ class MPIComm:
         self.seq += 1
         host = self._host(t)
         req = self.mpi_comm.Ibcast([flat_bytes(host).numpy(), _mpi().BYTE], root=src)
-        work = _RequestWork(self, [req], f"broadcast(src={src})", self.seq, src)
+        work = _RequestWork(self, req, f"broadcast(src={src})", self.seq, src)
         return CallbackWork(work, self._back(host, t))
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -232,7 +234,7 @@ class MPIComm:
 
     def barrier(self) -> None:
         self.seq += 1
-        _RequestWork(self, [self.mpi_comm.Ibarrier()], "barrier", self.seq).wait()
+        _RequestWork(self, self.mpi_comm.Ibarrier(), "barrier", self.seq).wait()
 
     def split(self, color: int) -> MPIComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""

@@ -193,6 +193,8 @@ def reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous tensor's bytes (any dtype, 0-d and empty included)."""
+    if t.numel() == 0:  # torch calls an empty tensor of any strides contiguous: no bytes anyway
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.reshape(-1).view(torch.uint8)
 
 
