@@ -118,6 +118,22 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
     return CheckedComm(comm) if debug else comm
 
 
+def demo_init(script: str, n: int = 4):
+    """init() for a script that should show several ranks even when started plainly.
+
+    Started with plain `python script.py` (a threads world of one), run the script again as n
+    thread-ranks of this process and exit with their outcome; under minidist run, mpiexec,
+    torchrun or srun, return this rank's comm as init() does. Lesson demos start this way.
+    """
+    comm = init()
+    if comm.backend == "threads" and comm.world_size == 1:
+        outcome = run_threads([script, *sys.argv[1:]], n)
+        if outcome.returncode != 0:
+            print(outcome.report(), file=sys.stderr, end="")
+        sys.exit(outcome.returncode)
+    return comm
+
+
 def _install_failure_hook(comm) -> None:
     """On an uncaught exception: print it tagged with the rank, leave it where `minidist run`
     finds it, and (MPI) abort the whole job so no rank waits for the dead one."""

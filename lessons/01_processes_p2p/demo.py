@@ -8,13 +8,11 @@ minidist run -n 4 --backend gloo lessons/01_processes_p2p/demo.py   # 4 Gloo pro
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
 
-import minidist
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 
 def who_is_where(comm) -> None:
@@ -72,8 +70,5 @@ def main(comm) -> None:
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)

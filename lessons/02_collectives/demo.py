@@ -5,15 +5,13 @@ minidist run -n 4 --backend mpi lessons/02_collectives/demo.py     # make demo
 minidist run -n 4 --backend gloo lessons/02_collectives/demo.py
 """
 
-import sys
 import time
 
 import torch
 
-import minidist
 from minidist import collectives
 from minidist.comm import Counter, ObservedComm
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 FORMULA = {  # bytes each rank sends, N elements of b bytes (the module docstring's table)
     "naive": "root (p-1) N b, others N b",
@@ -72,9 +70,6 @@ def timing_table(comm, sizes: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     exact_and_counted(comm, 1 << 20)
     timing_table(comm, [1 << 10, 1 << 16, 1 << 20, 1 << 24])

@@ -9,9 +9,8 @@ import sys
 
 import torch
 
-import minidist
 from minidist.comm import CheckedComm, CommError
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 
 def exchange(pair, numel: int, send_first: bool) -> None:
@@ -72,9 +71,6 @@ def main(comm) -> None:
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__, *sys.argv[1:]], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     assert comm.world_size % 2 == 0, f"run with an even number of ranks, not {comm.world_size}"
     main(comm)

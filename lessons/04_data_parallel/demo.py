@@ -10,15 +10,13 @@ Rank 0 prints the loss, checks the replicas agree bit for bit, and draws its tim
 """
 
 import os
-import sys
 
 import torch
 from torch import nn
 
-import minidist
 from minidist.comm.wrappers import ObservedComm, Tracer
 from minidist.data_parallel import DataParallelBucketed, shard
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 
 def main(comm):
@@ -73,8 +71,5 @@ def draw(events, path):
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)

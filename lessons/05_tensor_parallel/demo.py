@@ -5,14 +5,11 @@ python lessons/05_tensor_parallel/demo.py                               # 4 rank
 minidist run -n 4 --backend mpi lessons/05_tensor_parallel/demo.py      # or --backend gloo
 """
 
-import sys
-
 import torch
 import torch.nn.functional as F
 
-import minidist
 from minidist.comm import Counter, ObservedComm
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 from minidist.tensor_parallel import vocab_parallel_cross_entropy
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock as Parallel
 from minidist.tensor_parallel_blocks import TransformerBlock, saved_activation_nbytes
@@ -72,9 +69,6 @@ def loss_demo(comm, n: int = 6, v: int = 40) -> None:
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     block_demo(comm)
     loss_demo(comm)

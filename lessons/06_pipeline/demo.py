@@ -6,16 +6,14 @@ minidist run -n 2 --backend gloo lessons/06_pipeline/demo.py --png /tmp/pipeline
 """
 
 import argparse
-import sys
 from itertools import pairwise
 
 import torch
 from torch import nn
 
-import minidist
 from minidist import schedules as sch
 from minidist.comm.wrappers import Tracer
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 from minidist.partition import param_counts, partition, stage_chunks
 from minidist.pipeline import PipelineStage, measured_timeline, split_microbatches
 
@@ -62,10 +60,7 @@ def one_step(comm, name: str, m: int, png: str | None) -> None:
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__, *sys.argv[1:]], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     parser = argparse.ArgumentParser()
     parser.add_argument("--png", help="also draw each measured timeline to PNG_<schedule>.png")
     args = parser.parse_args()

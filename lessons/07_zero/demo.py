@@ -4,15 +4,12 @@ python lessons/07_zero/demo.py                                # 4 ranks as threa
 minidist run -n 4 --backend mpi lessons/07_zero/demo.py      # or --backend gloo
 """
 
-import sys
-
 import torch
 from torch import nn
 
-import minidist
 from minidist import zero, zero3
 from minidist.comm import Counter, ObservedComm
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 WIDTH, B = 8, 4  # three Linear(8, 8): 72 elements each, 216 in all; B rows per rank
 
@@ -73,8 +70,5 @@ def main(comm) -> None:
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)

@@ -10,13 +10,11 @@ done, and for the parameter server how stale the applied gradients were (updates
 worker's pull and its push).
 """
 
-import sys
 import time
 
 import torch
 
-import minidist
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 from minidist.sgd import Config, least_squares, train
 
 STEPS, COMPUTE, SLOW = 40, 0.005, 0.015  # gradients per worker; seconds; the straggler's extra
@@ -67,8 +65,5 @@ def histogram(staleness):
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())  # a message: printed, exit code 1
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)

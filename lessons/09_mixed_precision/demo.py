@@ -5,15 +5,12 @@ python lessons/09_mixed_precision/demo.py                                  # 4 r
 minidist run -n 4 --backend mpi lessons/09_mixed_precision/demo.py         # or --backend gloo
 """
 
-import sys
-
 import torch
 from torch import nn
 
-import minidist
 from minidist.amp import BF16, FP16, FP32, LossScaler, MixedPrecisionOptimizer
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 
 def underflow(rank: int) -> None:
@@ -73,8 +70,5 @@ def main(comm):
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)

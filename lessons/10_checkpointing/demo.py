@@ -5,15 +5,13 @@ minidist run -n 4 --backend mpi lessons/10_checkpointing/demo.py           # or 
 """
 
 import copy
-import sys
 import time
 
 import torch
 from torch import nn
 
-import minidist
 from minidist.checkpointing import CheckpointedSequential, SavedTensorMeter, predicted_peak
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 
 N_BLOCKS, D, ROWS = 16, 128, 32
 
@@ -73,8 +71,5 @@ def main(comm):
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)

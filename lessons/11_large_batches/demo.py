@@ -5,16 +5,13 @@ python lessons/11_large_batches/demo.py                                    # 4 r
 minidist run -n 4 --backend mpi lessons/11_large_batches/demo.py           # or --backend gloo
 """
 
-import sys
-
 import torch
 from torch import nn
 
-import minidist
 from minidist.accumulation import train_step
 from minidist.bench_batch import mlp, task, train_curve
 from minidist.data_parallel import DataParallelBucketed, shard
-from minidist.launch import run_threads
+from minidist.launch import demo_init
 from minidist.lr import lr_at, scaled_lr
 
 B0, LR0, K, WARMUP = 16, 0.06, 8, 8
@@ -69,8 +66,5 @@ def main(comm):
 
 
 if __name__ == "__main__":
-    comm = minidist.init()
-    if comm.backend == "threads" and comm.world_size == 1:  # plain `python demo.py`: 4 threads
-        outcome = run_threads([__file__], 4)
-        sys.exit(outcome.returncode and outcome.report())
+    comm = demo_init(__file__)  # plain `python demo.py`: 4 thread-ranks
     main(comm)
