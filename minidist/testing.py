@@ -9,6 +9,9 @@ name) and its arguments and result must pickle. A rank that raises fails the who
 rank's traceback; a run that outlives `timeout` fails naming the ranks still running, instead of
 hanging the suite.
 
+Thread-ranks share torch's global random generator: build data and weights from a
+torch.Generator(seed), never torch.manual_seed, or ranks race for the same random numbers.
+
 Inside ranks, never assert on one rank alone: the others would wait forever for it. Compute a
 verdict on every rank and combine it first (`verdict`), so all ranks pass or fail together.
 `compare` builds the per-tensor report (tensor, rank, max difference) the verdict carries.
