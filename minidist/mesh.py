@@ -1,0 +1,120 @@
+"""The rank grid of 3D parallelism: world = dp x pp x tp, and a communicator along each axis.
+
+Equals: nothing to match, a layout is data. `Layout` is a pure function of (dp, pp, tp): the
+grid is torch.arange(world).view(dp, pp, tp), so rank = (d * pp + s) * tp + t. Tensor-parallel
+ranks are adjacent: tp moves data inside every layer (several all-reduces per block, forward
+and backward) and must stay inside a node's fast links; the pipeline's neighbours are tp ranks
+apart, and data-parallel replicas pp*tp ranks apart, across nodes, where the traffic is once
+per step (dp) or point to point (pp).
+Communication: building a Mesh issues three comm.split calls, collective over the world, in the
+order tp, pp, dp. Afterwards tp_comm.rank == t, pp_comm.rank == s, dp_comm.rank == d.
+Memory per rank: nothing.
+Paper: Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM (SC 2021), section 3 (placement: tensor parallel within a node).
+Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --backend mpi
+
+    8 ranks, dp=2 pp=2 tp=2:      tp groups (adjacent)   pp groups        dp groups
+      d=0: s=0 [0 1]  s=1 [2 3]   {0,1} {2,3}            {0,2} {1,3}      {0,4} {1,5}
+      d=1: s=0 [4 5]  s=1 [6 7]   {4,5} {6,7}            {4,6} {5,7}      {2,6} {3,7}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AXES = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a world of dp * pp * tp ranks is cut: data, pipeline and tensor parallel sizes."""
+
+    dp: int
+    pp: int
+    tp: int
+
+    def __post_init__(self):
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis}={size!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def grid(self) -> torch.Tensor:
+        """(dp, pp, tp): grid[d, s, t] is the world rank at those coordinates."""
+        return torch.arange(self.world_size).view(self.dp, self.pp, self.tp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(d, s, t) of a world rank: its replica, pipeline stage and tensor-parallel rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside a world of {self.world_size}")
+        d, rest = divmod(rank, self.pp * self.tp)
+        s, t = divmod(rest, self.tp)
+        return d, s, t
+
+    def rank(self, d: int, s: int, t: int) -> int:
+        """The world rank at coordinates (d, s, t)."""
+        return (d * self.pp + s) * self.tp + t
+
+    def group(self, rank: int, axis: str) -> list[int]:
+        """The world ranks that share `rank`'s other two coordinates: its group along axis,
+        in increasing order (so the group's rank i is coordinate i along the axis)."""
+        d, s, t = self.coords(rank)
+        if axis == "tp":
+            return self.grid[d, s, :].tolist()
+        if axis == "pp":
+            return self.grid[d, :, t].tolist()
+        if axis == "dp":
+            return self.grid[:, s, t].tolist()
+        raise ValueError(f"axis={axis!r} is not one of {AXES}")
+
+    def color(self, rank: int, axis: str) -> int:
+        """A number shared exactly by the ranks of rank's group along axis: the split color."""
+        return self.group(rank, axis)[0]
+
+    def check(self, world_size: int) -> Layout:
+        """self, if it fills world_size ranks exactly; else a ValueError naming every factor."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world_size={world_size} != dp={self.dp} * pp={self.pp} * tp={self.tp}"
+                f" = {self.world_size}"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the grid and its three sub-communicators (and the world's)."""
+
+    layout: Layout
+    world: object  # Comm
+    dp_comm: object
+    pp_comm: object
+    tp_comm: object
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return self.layout.coords(self.world.rank)
+
+
+def make_mesh(comm, layout: Layout) -> Mesh:
+    """Split comm into this rank's tp, pp and dp groups (collective: every rank calls it).
+
+    Checks the layout before any communication, with the numbers; then checks what the
+    splits returned, so a backend that orders a split's ranks otherwise fails here, loudly."""
+    layout.check(comm.world_size)
+    subs = {axis: comm.split(layout.color(comm.rank, axis)) for axis in ("tp", "pp", "dp")}
+    for axis, coordinate in zip(AXES, layout.coords(comm.rank), strict=True):
+        sub, size = subs[axis], getattr(layout, axis)
+        if (sub.rank, sub.world_size) != (coordinate, size):
+            raise RuntimeError(
+                f"rank {comm.rank}: its {axis} group has rank {sub.rank} of {sub.world_size},"
+                f" expected {coordinate} of {size}"
+            )
+    return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"])
