@@ -1,5 +1,6 @@
 """The `minidist` command: `minidist run`, `minidist bench`, ...
 
+minidist train --dp 2 --pp 2 --tp 2 --check          the main job: a small GPT, 8 ranks
 minidist run -n 4 --backend mpi script.py args...      start 4 ranks on this machine
 minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
 minidist bench dp|tp|pipeline|zero|sgd|batch ...            the techniques, measured
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
+    from . import train_cli  # the main job: imports every technique, so only when asked
+
+    train_cli.add_parser(sub)
     add_schedule_command(sub)
     args = parser.parse_args(argv)
     return args.func(args)

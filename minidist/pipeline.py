@@ -147,7 +147,8 @@ class PipelineStage:
     """One rank of a pipeline: its model chunks (an nn.Module or a list of v; chunk c is virtual
     stage c*p + rank), the comm to the other stages (rank = stage), on the last stage the loss.
     `run` executes a program; with a Tracer, each compute op is recorded as a span (see
-    measured_timeline)."""
+    measured_timeline). on_backward(op) runs after every op that adds weight gradients (a
+    backward, or ZB's W): e.g. ZeRO-2/3 reduce-scatter them there, microbatch by microbatch."""
 
     def __init__(
         self,
@@ -156,10 +157,12 @@ class PipelineStage:
         loss_fn: Callable | None = None,
         tracer: Tracer | None = None,
         device: torch.device | str | None = None,
+        on_backward: Callable[[Op], None] | None = None,
     ):
         one = isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList)
         self.chunks = [chunks] if one else list(chunks)
         self.comm, self.loss_fn, self.tracer = comm, loss_fn, tracer
+        self.on_backward = on_backward  # after each op that adds weight gradients (ZeRO-2/3)
         self.p, self.v = comm.world_size, len(self.chunks)
         params = [q for chunk in self.chunks for q in chunk.parameters()]
         # where received tensors go: a stage of layers without weights needs to be told
@@ -186,6 +189,8 @@ class PipelineStage:
                 self.spans.append((a, b, COMPUTE.index(op.kind), op.microbatch, op.chunk))
             else:
                 getattr(self, op.kind)(op)
+            if self.on_backward is not None and op.kind in ("backward", "backward_weight"):
+                self.on_backward(op)
             self._reap_sends(wait_all=False)
         self._reap_sends(wait_all=True)
         return [self.step.losses[i] for i in range(m)] if self.step.losses else []

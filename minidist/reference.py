@@ -1,0 +1,122 @@
+"""The single-process check of the main job: the program every dp x pp x tp layout must equal
+(train_whole), the distributed model put back together (whole_parameters), and the difference.
+
+Equals: train_whole is the reference itself: nn.Sequential(whole_layers) on the whole batch,
+the same batches, AdamW, learning-rate schedule and precision as train.py's ranks.
+Communication (whole_parameters, once): an all_gather over tp of each layer's slices and their
+element numbers, and one send per stage to stage 0 over pp, on replica 0.
+Memory: the whole model, in float64, on world rank 0.
+Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --check
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from minidist import model as gpt
+from minidist.amp import LossScaler, MixedPrecisionOptimizer
+from minidist.data import batch_at, load_bytes
+from minidist.lr import WarmupDecay
+from minidist.train import DTYPES, Job, TrainConfig, make_optimizer
+
+
+def whole_parameters(job: Job) -> list[torch.Tensor] | None:
+    """The whole model's parameters, flattened per layer, in float64, on world rank 0 (None
+    elsewhere). Each tp group puts its layers back together (all_gather), then every stage
+    of replica 0 sends its layers to stage 0 (pp send/recv)."""
+    mesh, config = job.mesh, job.config
+    d, s, t = mesh.coords
+    with job.replicas.gathered():
+        layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
+        mine = [_whole_flat(config.model, i, x, mesh.tp_comm)
+                for i, x in zip(sum(job.layer_ids, []), layers, strict=True)]  # fmt: skip
+    if d != 0 or t != 0:
+        return None
+    if s != 0:
+        mesh.pp_comm.send(torch.cat(mine), 0)
+        return None
+    found = dict(zip(sum(job.layer_ids, []), mine, strict=True))
+    for other in range(1, config.pp):
+        ids = sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), [])
+        sizes = [_numel(gpt.whole_layer(config.model, i, torch.float64)) for i in ids]
+        flat = torch.empty(sum(sizes), dtype=torch.float64)
+        mesh.pp_comm.recv(flat, other)
+        found.update(zip(ids, flat.split(sizes), strict=True))
+    return [found[i] for i in range(config.model.n_layers + 2)]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(q.numel() for q in module.parameters())
+
+
+def _whole_flat(model: gpt.GPTConfig, i: int, layer: nn.Module, tp_comm) -> torch.Tensor:
+    """Layer i's whole parameters, flat (float64), from every tp rank's slices.
+
+    Which whole elements does this rank hold? Cut a whole layer whose parameters hold their
+    own element numbers, the same way: the slices say. Then all_gather values and numbers."""
+    probe = gpt.whole_layer(model, i, torch.float64)
+    with torch.no_grad():
+        n = 0
+        for q in probe.parameters():
+            q.copy_(torch.arange(n, n + q.numel(), dtype=torch.float64).view_as(q))
+            n += q.numel()
+    where = torch.cat([q.detach().reshape(-1) for q in gpt.parallel_layer(probe, tp_comm)
+                       .parameters()])  # fmt: skip
+    values = torch.cat([q.detach().double().reshape(-1) for q in layer.parameters()])
+    p = tp_comm.world_size
+    both = torch.empty(p, 2, len(values), dtype=torch.float64)
+    tp_comm.all_gather(both, torch.stack([where, values]))
+    flat = torch.empty(n, dtype=torch.float64)
+    flat[both[:, 0].reshape(-1).long()] = both[:, 1].reshape(-1)  # replicated ones: equal
+    return flat
+
+
+def train_whole(config: TrainConfig, data=None, on_step: Callable | None = None) -> dict:
+    """The single-process program every layout must equal: the whole model on the whole
+    batch, same batches, same AdamW, same schedule, same precision."""
+    data = load_bytes() if data is None else data
+    layers = gpt.whole_layers(config.model, DTYPES[config.dtype])
+    model, opt = nn.Sequential(*layers), make_optimizer(config)
+    if config.amp != "fp32":
+        scaler = LossScaler(2.0**16) if config.amp == "fp16" else LossScaler(1.0, dynamic=False)
+        optimizer = MixedPrecisionOptimizer(model, opt, config.precision, scaler)
+    else:
+        optimizer, scaler = opt(list(model.parameters())), LossScaler(1.0, dynamic=False)
+    schedule = WarmupDecay(optimizer, config.warmup, config.steps)
+    losses, skipped, start = [], [], time.perf_counter()
+    for step in range(config.steps):
+        ids, targets = batch_at(data, step, config.batch, config.model.seq_len, config.seed)
+        loss = gpt.loss_whole(model(ids), targets)
+        (loss * scaler.scale).backward()
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            stepped = optimizer.step()
+        else:
+            optimizer.step()
+            stepped = True
+        optimizer.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+        if not stepped:
+            skipped.append(step)
+        if on_step is not None:
+            on_step(step, loss.item())
+    seconds = time.perf_counter() - start
+    params = [torch.cat([q.detach().double().reshape(-1) for q in x.parameters()]) for x in layers]
+    return {"losses": losses, "skipped": skipped, "seconds": seconds, "parameters": params}
+
+
+def differences(result: dict, reference: dict) -> dict:
+    """The largest relative difference of the loss curves and of the final parameters."""
+    a = torch.tensor(result["losses"], dtype=torch.float64)
+    b = torch.tensor(reference["losses"], dtype=torch.float64)
+    loss = ((a - b).abs() / b.abs().clamp_min(1e-30)).max().item()
+    params = max(
+        ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+        for x, y in zip(result["parameters"], reference["parameters"], strict=True)
+    )
+    same_skips = result["skipped"] == reference["skipped"]
+    return {"loss": loss, "parameters": params, "same_skipped_steps": same_skips}

@@ -1,0 +1,331 @@
+"""3D parallelism: the small GPT of model.py trained with data, pipeline and tensor parallelism
+(plus ZeRO, mixed precision and checkpointing) composed in one place, in a fixed order.
+
+Equals: train_whole, the same model, batches, AdamW and learning-rate schedule in one process,
+the loss the mean over the whole batch. float64: losses and final parameters to 1e-12
+relative (tests/test_train.py); float32 about 1e-5 (sums in another order); bf16/fp16 with the
+reference run in the same precision, within that format's rounding.
+Communication per step, per rank (m microbatches of b = B/(dp m) sequences of T tokens, D the
+width, L_s blocks on this stage, e bytes an activation element, Psi_s this stage's parameters
+per tp rank, f bytes a gradient element):
+  tp: 4 all-reduces of b T D e per block and microbatch (2 forward, 2 backward), plus the
+      embedding's and the cross-entropy's: ring bytes 2 (tp-1)/tp each.
+  pp: one activation b T D e to the next stage and one gradient back, per microbatch and chunk.
+  dp: the gradients once per step: 2 (dp-1)/dp Psi_s f (data parallel, ZeRO-1); ZeRO-2/3 with
+      pp > 1 reduce-scatter after every microbatch's backward (m times that; see below), and
+      ZeRO-3 gathers parameters per microbatch.
+Memory per rank: Psi_s parameters with their gradients and optimizer state (ZeRO divides them
+by dp; see zero.py), plus the activations the schedule keeps (pipeline.py).
+Order of composition (each step wraps what the one before made):
+  1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
+  2. model cut    this stage's layers, each sliced over tp_comm     model.py
+  3. replicas     precision, then data parallel or ZeRO over dp     amp.py, data_parallel, zero
+  4. pipeline     the stage's chunks run by the schedule over pp    pipeline.py, schedules.py
+The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
+chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
+they are reduce-scattered after every backward op (PipelineStage's on_backward), which sends
+m times ZeRO-1's bytes: why large jobs pair pipelines with ZeRO-1 only.
+The skip of a step whose gradients overflowed (fp16) is agreed by the whole world, not only
+dp: every stage and tp rank must skip the same steps.
+Paper: Narayanan et al., Megatron-LM on GPU clusters (SC 2021), sections 2-3.
+Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --check
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from minidist import model as gpt
+from minidist import zero as zero_
+from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer, Precision
+from minidist.data import batch_at, dp_share, load_bytes
+from minidist.data_parallel import DataParallelBucketed
+from minidist.lr import WarmupDecay, check_schedule
+from minidist.mesh import Layout, Mesh, make_mesh
+from minidist.pipeline import PipelineStage, split_microbatches
+from minidist.schedules import NAMES, build_schedules
+from minidist.tensor_parallel import vocab_parallel_cross_entropy
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on; the same on every rank."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0  # 0: data parallel; 1, 2, 3: ZeRO stage
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
+    amp: str = "fp32"  # fp32 | bf16 | fp16: the compute dtype; masters stay in dtype
+    checkpointing: bool = False  # recompute every block's activations in backward
+    steps: int = 50
+    batch: int = 16  # sequences per step, over all dp ranks
+    lr: float = 3e-3
+    warmup: int = 5
+    dtype: str = "float32"  # parameters and optimizer (float64: the tight check)
+    seed: int = 0  # the batches; the model's seed is model.seed
+    model: gpt.GPTConfig = field(default_factory=gpt.GPTConfig)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.dp, self.pp, self.tp)
+
+    @property
+    def precision(self) -> Precision:
+        """The dtype of each role: compute from amp, masters and gradient sums in dtype."""
+        master = DTYPES[self.dtype]
+        compute = master if self.amp == "fp32" else PRECISIONS[self.amp].compute
+        return Precision(compute, master, master)
+
+    def problems(self, world_size: int | None = None) -> list[str]:
+        """Every reason this run cannot start, with the numbers; [] if it can."""
+        found = []
+        try:
+            self.layout.check(self.layout.world_size if world_size is None else world_size)
+        except ValueError as e:
+            found.append(str(e))
+        found += self.model.problems(self.tp)
+        for name, value, allowed in (("zero", self.zero, (0, 1, 2, 3)), ("amp", self.amp,
+                                     tuple(PRECISIONS)), ("dtype", self.dtype, tuple(DTYPES)),
+                                     ("schedule", self.schedule, NAMES)):  # fmt: skip
+            if value not in allowed:
+                found.append(f"{name}={value!r} is not one of {allowed}")
+        if self.batch % self.dp or (self.batch // self.dp) % self.microbatches:
+            found.append(f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
+                         f"{self.microbatches}")  # fmt: skip
+        if self.chunks > 1 and self.schedule != "interleaved":
+            found.append(f"chunks={self.chunks} needs schedule='interleaved'")
+        if self.pp * self.chunks > self.model.n_layers + 2:
+            found.append(f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model "
+                         f"has only n_layers={self.model.n_layers} + 2 layers")  # fmt: skip
+        for check in (
+            lambda: build_schedules(
+                self.schedule, self.pp, self.microbatches, self.chunks
+            ),  # fmt: skip
+            lambda: check_schedule(self.warmup, self.steps, "cosine", 0.0, 0.0),
+        ):
+            with contextlib.suppress(KeyError):  # an unknown schedule: reported above
+                try:
+                    check()
+                except ValueError as e:
+                    found.append(str(e))
+        return found
+
+    def check(self, world_size: int | None = None) -> TrainConfig:
+        """self, or a ValueError listing every problem (before any process starts work)."""
+        found = self.problems(world_size)
+        if found:
+            raise ValueError("this run cannot start:\n  " + "\n  ".join(found))
+        return self
+
+
+def make_optimizer(config: TrainConfig):
+    """AdamW on any tensors: the optimizer of every variant (and of the reference)."""
+    return lambda tensors, **kw: torch.optim.AdamW(tensors, lr=config.lr, **kw)
+
+
+class Replicas:
+    """Step 3: the stage's chunks as one module, kept equal across dp by data parallelism
+    (gradients all-reduced after the pipeline step) or ZeRO; with mixed precision, fp32
+    masters (MixedPrecisionOptimizer, or ZeRO's master shards) and a loss scale.
+
+    step() -> bool (False: skipped, inf/nan somewhere in the world); scale: the loss scale;
+    on_backward: for PipelineStage; gathered(): full parameters inside (ZeRO-3)."""
+
+    def __init__(self, chunks: list[nn.Module], mesh: Mesh, config: TrainConfig):
+        self.module, self.config = nn.ModuleList(chunks), config
+        precision, opt = config.precision, make_optimizer(config)
+        scaler = LossScaler(2.0**16) if config.amp == "fp16" else LossScaler(1.0, dynamic=False)
+        self.mp = self.dp = self.zero = None
+        if config.zero:
+            self.zero = zero_.wrap(
+                self.module,
+                mesh.dp_comm,
+                opt,
+                config.zero,
+                precision=precision,
+                scaler=scaler,
+                overflow_comm=mesh.world,
+            )
+            self.optimizer, self.scaler = self.zero.optimizer, self.zero.scaler  # fmt: skip
+        elif config.amp != "fp32":
+            self.mp = MixedPrecisionOptimizer(
+                self.module, opt, precision, scaler, dp_comm=mesh.dp_comm, overflow_comm=mesh.world
+            )
+            self.optimizer, self.scaler = self.mp, scaler  # fmt: skip
+        else:
+            self.dp = DataParallelBucketed(self.module, mesh.dp_comm)
+            self.optimizer, self.scaler = opt(list(self.module.parameters())), scaler
+        self.skipped: list[int] = []
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale
+
+    def accumulating(self):
+        """The pipeline step runs in here: data parallelism waits for all microbatches."""
+        return self.dp.no_sync() if self.dp is not None else contextlib.nullcontext()
+
+    def on_backward(self, op) -> None:
+        if self.zero is not None and self.config.zero >= 2:
+            self.zero.finish_gradient_sync()  # this microbatch's gradients, reduce-scattered
+        elif self.mp is not None:
+            self.mp.collect()  # into the float32 buffer: accumulate in float32, not bf16
+
+    def step(self) -> bool:
+        if self.zero is not None:
+            stepped = self.zero.step()
+        elif self.mp is not None:
+            stepped = self.mp.step()
+        else:
+            self.dp.finish_gradient_sync()
+            self.optimizer.step()
+            stepped = True
+        self.zero_grad()
+        return stepped
+
+    def zero_grad(self) -> None:
+        owner = self.zero if self.zero is not None else self.mp
+        (owner if owner is not None else self.optimizer).zero_grad()
+        self.module.zero_grad(set_to_none=True)
+
+    def gathered(self):
+        return self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
+
+
+@dataclass
+class Job:
+    """One rank's composed training: its mesh, chunks (and their layer numbers), replicas,
+    pipeline stage and program; built by build_job, stepped by train_step."""
+
+    config: TrainConfig
+    mesh: Mesh
+    layer_ids: list[list[int]]
+    chunks: list[nn.Module]
+    replicas: Replicas
+    stage: PipelineStage
+    program: list
+    schedule: WarmupDecay
+    data: torch.Tensor
+    step: int = 0
+
+
+def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None) -> Job:
+    """Steps 1-4 on this rank (collective: every rank of comm calls it). observe(axis, comm),
+    when given, wraps each sub-comm (e.g. in an ObservedComm, to count its bytes)."""
+    config.check(comm.world_size)
+    mesh = make_mesh(comm, config.layout)  # 1
+    if observe is not None:
+        subs = {axis: observe(axis, getattr(mesh, f"{axis}_comm")) for axis in ("dp", "pp", "tp")}
+        mesh = Mesh(mesh.layout, mesh.world, subs["dp"], subs["pp"], subs["tp"])
+    _, s, _ = mesh.coords
+    layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
+    chunks = gpt.stage_chunks(config.model, mesh.tp_comm, layer_ids, DTYPES[config.dtype],
+                              recompute=config.checkpointing)  # fmt: skip
+    replicas = Replicas(chunks, mesh, config)  # 3
+    tp_comm = mesh.tp_comm
+
+    def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # logits_local: (b, T, V/tp); the loss in float32 at least, scaled for fp16
+        logits = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
+        return vocab_parallel_cross_entropy(logits, targets, tp_comm).mean() * replicas.scale
+
+    stage = PipelineStage(chunks, mesh.pp_comm, loss_fn, tracer=tracer,
+                          on_backward=replicas.on_backward)  # 4  # fmt: skip
+    program = build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s]
+    schedule = WarmupDecay(replicas.optimizer, config.warmup, config.steps)
+    data = load_bytes() if data is None else data
+    return Job(config, mesh, layer_ids, chunks, replicas, stage, program, schedule, data)
+
+
+def train_step(job: Job) -> tuple[float, bool]:
+    """One step of every rank: (the whole batch's mean loss, on every rank; stepped)."""
+    c, (d, s, _) = job.config, job.mesh.coords
+    ids, targets = batch_at(job.data, job.step, c.batch, c.model.seq_len, c.seed)  # (B, T)
+    ids, targets = dp_share(ids, d, c.dp), dp_share(targets, d, c.dp)  # (B/dp, T)
+    first, last = s == 0, s == c.pp - 1
+    with job.replicas.accumulating():
+        losses = job.stage.run(
+            job.program,
+            split_microbatches(ids, c.microbatches) if first else None,
+            split_microbatches(targets, c.microbatches) if last else None,
+        )
+    scale = job.replicas.scale  # the scale this step's losses carry (step() may change it)
+    stepped = job.replicas.step()
+    job.schedule.step()
+    job.step += 1
+    return whole_batch_loss(losses, job.mesh, scale), stepped
+
+
+def predicted_nbytes(job: Job) -> dict[str, int | None]:
+    """Payload bytes this rank issues per step on each sub-comm (collective inputs and sends),
+    as the docstring's formulas give them; None where no formula is written (dp: ZeRO-2/3).
+
+    n = b T tokens a microbatch (b = B / (dp m)), a = n D e bytes an activation (e: compute
+    dtype), x = 4 or 8 bytes a loss element. tp per microbatch: 4 a per block (6 a when
+    recomputed: the forward's two all-reduces run again), a for the embedding's g, a + 3 n x
+    for the head (f's backward; the cross-entropy's max, target logit and sum of exps).
+    pp: a per microbatch to each neighbour (activations on, gradients back), a 64-byte header
+    per chunk and step, 8 for the loss's broadcast. dp: the all-reduce of Psi_s + P_s
+    (gradients and "used" flags) in the master dtype (data parallel; mixed precision: Psi_s
+    in the reduce dtype and no flags); ZeRO-1 reduce-scatters the padded Psi_s, all-gathers
+    the shard in the compute dtype, all-reduces the P_s flags; 8 for the loss."""
+    c, (_, s, _) = job.config, job.mesh.coords
+    e = torch.empty(0, dtype=c.precision.compute).element_size()
+    x = torch.empty(0, dtype=torch.promote_types(c.precision.compute, torch.float32))
+    n = c.batch // (c.dp * c.microbatches) * c.model.seq_len
+    a, ids, m = n * c.model.d_model * e, sum(job.layer_ids, []), c.microbatches
+    blocks = sum(1 for i in ids if 1 <= i <= c.model.n_layers)
+    tp = blocks * (6 if c.checkpointing else 4) * a + (0 in ids) * a
+    tp += (c.model.n_layers + 1 in ids) * (a + 3 * n * x.element_size())
+    n_virtual, pp = c.pp * c.chunks, 8
+    for chunk in range(c.chunks):
+        u = chunk * c.pp + s  # this chunk's virtual stage
+        pp += (u < n_virtual - 1) * (m * a + 64) + (u > 0) * m * a
+    params = [q for q in job.replicas.module.parameters() if q.requires_grad]
+    numel, f = sum(q.numel() for q in params), torch.empty(0, dtype=c.precision.master)
+    f = f.element_size()
+    dp = None
+    if c.zero == 0:
+        dp = 8 + (numel * f if c.amp != "fp32" else (numel + len(params)) * f)
+    elif c.zero == 1:
+        shard = -(-numel // c.dp)
+        dp = 8 + shard * c.dp * f + shard * e + len(params) * e
+    return {"dp": dp, "pp": pp, "tp": tp * m}
+
+
+def whole_batch_loss(losses: list[torch.Tensor], mesh: Mesh, scale: float) -> float:
+    """The mean over the whole batch, on every rank: the last stage's mean over microbatches,
+    averaged over dp, then broadcast along the pipeline. Collectives: dp all_reduce, pp
+    broadcast (one float64 each)."""
+    mean = torch.zeros(1, dtype=torch.float64)
+    if losses:  # the last stage
+        mean += torch.stack(losses).double().mean() / scale
+    mesh.dp_comm.all_reduce(mean, "sum")
+    mesh.pp_comm.broadcast(mean, mesh.layout.pp - 1)
+    return mean.item() / mesh.layout.dp
+
+
+def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None):
+    """Build the job and train config.steps steps: (job, {"losses", "skipped", "seconds"}),
+    the same losses on every rank. reference.whole_parameters(job) puts the model together."""
+    job = build_job(comm, config, data)
+    losses, skipped, start = [], [], time.perf_counter()
+    for step in range(config.steps):
+        loss, stepped = train_step(job)
+        losses.append(loss)
+        if not stepped:
+            skipped.append(step)
+        if on_step is not None:
+            on_step(job, loss)
+    return job, {"losses": losses, "skipped": skipped, "seconds": time.perf_counter() - start}

@@ -1,0 +1,300 @@
+"""`minidist train`: the main job from the command line, with what a person wants to see.
+
+    minidist train --dp 2 --pp 2 --tp 2 --microbatches 4 --backend mpi --check
+    mpiexec -n 8 python -m minidist.train_cli --dp 2 --pp 2 --tp 2      # the same, by hand
+    torchrun --nproc-per-node 8 -m minidist.train_cli --dp 2 --pp 2 --tp 2
+
+The parent (`minidist train`) checks the layout and the model's shape before any process
+starts, then starts dp*pp*tp ranks of this module; every rank trains (train.py); rank 0 shows
+a progress bar (loss, tokens/s) and at the end prints: per-rank memory, bytes sent per
+dimension (dp/pp/tp: payload per step from a Counter on each sub-comm, beside the formula of
+train.predicted_nbytes), the measured pipeline bubble (the last step's compute spans) beside
+the formula, throughput; and writes into --out: loss.png, pipeline.png, trace.json (open in
+ui.perfetto.dev). --check then trains the same run in one process (in rank 0's) and reports
+the largest relative difference of the loss curve and of the final parameters.
+--json prints one object instead of the tables (and no bar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, fields
+
+import torch
+
+from minidist.amp import PRECISIONS
+from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
+from minidist.launch import BACKENDS, init, launch, run_threads
+from minidist.model import GPTConfig
+from minidist.pipeline import measured_timeline
+from minidist.reference import differences, train_whole, whole_parameters
+from minidist.schedules import NAMES, bubble_formula, bubble_fraction, draw_timeline
+from minidist.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
+
+AXES = ("dp", "pp", "tp")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags, shared by the parent and every rank (they parse the same argv)."""
+    d = TrainConfig()
+    for axis in AXES:
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size")
+    p.add_argument("--zero", type=int, default=0, choices=range(4), help="0: data parallel")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", choices=NAMES, default=d.schedule)
+    p.add_argument("--chunks", type=int, default=1, help="chunks per stage (interleaved)")
+    p.add_argument("--amp", choices=tuple(PRECISIONS), default="fp32")
+    p.add_argument("--checkpointing", action="store_true", help="recompute block activations")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step, all dp ranks")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
+    p.add_argument("--seed", type=int, default=0)
+    m = GPTConfig()
+    for name in ("seq_len", "d_model", "n_heads", "d_ff", "n_layers"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(m, name))
+    p.add_argument("--check", action="store_true", help="compare with one process at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default="out/train", help="folder for pictures and the trace")
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(GPTConfig)}
+    model = GPTConfig(**{k: v for k, v in vars(args).items() if k in names})
+    names = {f.name for f in fields(TrainConfig)} - {"model"}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, model=model)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="the main job: a small GPT with dp x pp x tp (+ZeRO)")
+    p.add_argument("--backend", choices=BACKENDS, default="mpi")
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The flags again, for the ranks: every value explicit."""
+    argv = []
+    for key, value in vars(args).items():
+        if key in ("backend", "func", "command"):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def main(args: argparse.Namespace) -> int:
+    """The parent: refuse a bad run before starting anything, then start the ranks."""
+    config = config_from(args)
+    problems = config.problems()
+    if problems:
+        print("minidist train: this run cannot start:\n  " + "\n  ".join(problems),
+              file=sys.stderr)  # fmt: skip
+        return 2
+    argv = to_argv(args)
+    n = config.layout.world_size
+    if args.backend == "threads":
+        outcome = run_threads([os.path.abspath(__file__), *argv], n)
+    else:
+        env = {"OMP_NUM_THREADS": "1"}  # one core per rank: ranks share this machine
+        outcome = launch(["-m", "minidist.train_cli", *argv], n, args.backend, env=env)
+    if outcome.returncode != 0:
+        print(f"minidist train: {outcome.report()}", file=sys.stderr, end="")
+    return outcome.returncode
+
+
+def rank_main(argv: list[str]) -> None:
+    """One rank: train, then (rank 0) report."""
+    parser = argparse.ArgumentParser(prog="python -m minidist.train_cli")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    config = config_from(args)
+    comm = init()
+    config.check(comm.world_size)
+    torch.set_num_threads(1)
+    counters = {axis: Counter() for axis in AXES}
+    tracer = Tracer(comm.rank)
+
+    def observe(axis: str, sub):  # count each dimension's bytes; trace every operation
+        return ObservedComm(ObservedComm(sub, counters[axis]), tracer)
+
+    job = build_job(comm, config, tracer=tracer, observe=observe)
+    for counter in counters.values():
+        counter.reset()  # count the steps, not the set-up
+    bar = _progress(config, comm.rank == 0 and not args.json)
+    losses, skipped, seconds = [], [], 0.0
+    for step in range(config.steps):
+        start = _now()
+        loss, stepped = train_step(job)
+        seconds += _now() - start
+        losses.append(loss)
+        skipped += [] if stepped else [step]
+        if bar is not None:
+            tokens = (step + 1) * config.batch * config.model.seq_len / seconds
+            bar.set_postfix_str(f"loss {loss:.4f}  {tokens:,.0f} tokens/s")
+            bar.update()
+    if bar is not None:
+        bar.close()
+    tracer.rank = comm.rank  # the sub-comms renamed it
+    result = {"losses": losses, "skipped": skipped, "seconds": seconds}
+    report = _gather_report(job, counters, tracer)  # first: what follows sends bytes too
+    result["parameters"] = whole_parameters(job)
+    if comm.rank == 0:
+        _finish(args, config, result, report)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _progress(config: TrainConfig, show: bool):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, desc="train", unit="step", file=sys.stderr)
+
+
+# ---- the report: gathered from every rank, printed and drawn by rank 0 ------------------------
+
+COLUMNS = ("params", "optimizer", "activations", "rss", "dp", "pp", "tp", "dp_f", "pp_f", "tp_f")
+
+
+def _gather_report(job: Job, counters: dict, tracer: Tracer) -> dict:
+    """Every rank's numbers on every rank (one all_gather over the world), the measured
+    timeline of replica 0's pipeline (collective over pp), the trace events (to rank 0)."""
+    steps, world = job.config.steps, job.mesh.world
+    sent = [sum(n for op, n in counters[a].nbytes.items() if op != "recv") / steps for a in AXES]
+    formula = [-1 if v is None else v for v in predicted_nbytes(job).values()]
+    held = _held_nbytes(job)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    mine = [held["params"], held["optimizer"], job.stage.memory.peak, rss, *sent, *formula]
+    every = torch.empty(world.world_size, len(mine), dtype=torch.float64)
+    world.all_gather(every, torch.tensor(mine, dtype=torch.float64))
+    rows = measured_timeline(job.stage)  # the last step's compute spans of this pipeline
+    return {"per_rank": [dict(zip(COLUMNS, r, strict=True)) for r in every.tolist()],
+            "timeline": rows, "events": _gather_events(world, tracer.events)}  # fmt: skip
+
+
+def _held_nbytes(job: Job) -> dict[str, int]:
+    """Bytes of parameters and of optimizer state (with fp32 masters) this rank holds now."""
+    r = job.replicas
+    if r.zero is not None:
+        from minidist.zero3 import memory_nbytes
+
+        return memory_nbytes(r.zero)
+    inner = r.mp.optimizer if r.mp is not None else r.optimizer
+    state = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+    state += list(r.mp.master) if r.mp is not None else []
+    params = list(r.module.parameters())
+    return {"params": _nbytes(params), "optimizer": _nbytes([t for t in state if t.dim() > 0])}
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind tensors (views counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())  # fmt: skip
+
+
+def _gather_events(world, events: list[dict]) -> dict[int, list[dict]] | None:
+    """Every rank's trace events on rank 0 (None elsewhere): lengths, then JSON bytes."""
+    mine = torch.frombuffer(bytearray(json.dumps(events).encode()), dtype=torch.uint8)
+    lengths = torch.empty(world.world_size, dtype=torch.int64)
+    world.all_gather(lengths, torch.tensor([len(mine)]))
+    if world.rank != 0:
+        world.send(mine, 0)
+        return None
+    found = {0: events}
+    for r in range(1, world.world_size):
+        buf = world.recv(torch.empty(int(lengths[r]), dtype=torch.uint8), r)
+        found[r] = json.loads(bytes(buf.tolist()).decode())
+    return found
+
+
+def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
+    """Rank 0: the check, the pictures and trace, the tables (or one JSON object)."""
+    os.makedirs(args.out, exist_ok=True)
+    tokens = config.steps * config.batch * config.model.seq_len
+    p, m, v = config.pp, config.microbatches, config.chunks
+    bubble = bubble_fraction(report["timeline"]) if p > 1 else 0.0
+    summary = {
+        "config": asdict(config),
+        "losses": result["losses"],
+        "skipped": result["skipped"],
+        "seconds": result["seconds"],
+        "tokens_per_second": tokens / result["seconds"],
+        "bubble": bubble,
+        "bubble_formula": bubble_formula(config.schedule, p, m, v),
+        "per_rank": report["per_rank"],
+        "files": {k: os.path.join(args.out, f) for k, f in
+                  (("loss", "loss.png"), ("pipeline", "pipeline.png"), ("trace", "trace.json"))},
+    }  # fmt: skip
+    reference = train_whole(config) if args.check else None
+    if reference is not None:
+        summary["check"] = differences(result, reference)
+        summary["check"]["seconds_one_process"] = reference["seconds"]
+    _draw_losses(summary["files"]["loss"], result, reference)
+    if p > 1:
+        draw_timeline(report["timeline"], summary["files"]["pipeline"],
+                      f"{config.schedule}: measured, last step (pp={p}, m={m})")  # fmt: skip
+    write_chrome_trace(summary["files"]["trace"], report["events"])
+    print(json.dumps(summary) if args.json else _tables(summary))
+
+
+def _draw_losses(path: str, result: dict, reference: dict | None) -> None:
+    from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend
+
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot()
+    ax.plot(result["losses"], label="dp x pp x tp")
+    if reference is not None:
+        ax.plot(reference["losses"], "--", label="one process")
+    ax.set(xlabel="step", ylabel="loss (whole batch)", title="training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _tables(s: dict) -> str:
+    """The end-of-run report as text."""
+    c = s["config"]
+    kib = lambda x: f"{x / 1024:10.1f}" if x >= 0 else f"{'-':>10}"  # noqa: E731
+    mib = lambda x: f"{x / 2**20:8.2f}"  # noqa: E731
+    lines = [f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} in {c['steps']} steps, "
+             f"{s['seconds']:.1f} s, {s['tokens_per_second']:,.0f} tokens/s"]  # fmt: skip
+    if s["skipped"]:
+        lines.append(f"skipped steps (inf/nan): {s['skipped']}")
+    lines += ["", "per rank: MiB held, KiB sent per step (payload; formula beside)",
+              f"{'rank':>4} {'d,s,t':>6} {'params':>8} {'optim':>8} {'activ.':>8} {'rss':>8}"
+              + "".join(f" {a:>10} {a + ' f.':>10}" for a in AXES)]  # fmt: skip
+    layout = TrainConfig(dp=c["dp"], pp=c["pp"], tp=c["tp"]).layout
+    for rank, r in enumerate(s["per_rank"]):
+        d, st, t = layout.coords(rank)
+        lines.append(f"{rank:>4} {f'{d},{st},{t}':>6} {mib(r['params'])} {mib(r['optimizer'])} "
+                     f"{mib(r['activations'])} {mib(r['rss'])}"
+                     + "".join(f" {kib(r[a])} {kib(r[a + '_f'])}" for a in AXES))  # fmt: skip
+    lines += ["", f"pipeline bubble (last step, replica 0): {s['bubble']:.3f} measured, "
+              f"{s['bubble_formula']:.3f} formula ({c['schedule']}, pp={c['pp']}, "
+              f"m={c['microbatches']})"]  # fmt: skip
+    if "check" in s:
+        k = s["check"]
+        lines.append(
+            f"check against one process ({k['seconds_one_process']:.1f} s): largest "
+            f"relative difference: loss curve {k['loss']:.2e}, final parameters "
+            f"{k['parameters']:.2e}; same skipped steps: {k['same_skipped_steps']}"
+        )
+    lines.append("wrote " + ", ".join(s["files"].values()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1:])
