@@ -45,12 +45,11 @@ Decisions a user must know:
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
-from minidist.collectives import ring_all_reduce
+from minidist.collectives import Launcher
 
 
 def shard(batch: torch.Tensor, comm) -> torch.Tensor:
@@ -82,25 +81,6 @@ def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     )
 
 
-class _Launcher:
-    """Starts all-reduces: the comm's own (asynchronous), or the hand-written ring on a
-    background thread (it is blocking code), so either can overlap with backward."""
-
-    def __init__(self, comm, algorithm: str):
-        if algorithm not in ("library", "ring"):
-            raise ValueError(f"algorithm={algorithm!r} is not 'library' or 'ring'")
-        self.comm, self.algorithm = comm, algorithm
-        # one worker: buckets are reduced in launch order, the same order on every rank
-        self.pool = ThreadPoolExecutor(1) if algorithm == "ring" else None
-
-    def start(self, flat: torch.Tensor):
-        if self.pool is None:
-            return self.comm.iall_reduce(flat, "sum")
-        future = self.pool.submit(ring_all_reduce, flat, self.comm, "sum")
-        future.wait, future.is_completed = future.result, future.done  # the Work protocol
-        return future
-
-
 def _used_and_average(flat: torch.Tensor, params: list, views: list, p: int) -> None:
     """After the all-reduce of [grads..., flags...]: average the grads; a parameter whose flag
     sums to 0 was unused on every rank and keeps grad None."""
@@ -115,7 +95,7 @@ class DataParallelNaive(nn.Module):
     def __init__(self, module: nn.Module, comm, algorithm: str = "library"):
         super().__init__()
         self.module, self.comm = module, comm
-        self.launcher = _Launcher(comm, algorithm)
+        self.launcher = Launcher(comm, algorithm)
         self.params = [p for p in module.parameters() if p.requires_grad]
         broadcast_module(module, comm)
 
@@ -126,13 +106,13 @@ class DataParallelNaive(nn.Module):
     def finish_gradient_sync(self) -> None:
         """All-reduce the gradients (blocking); afterwards every rank holds the average."""
         used = torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float64)
-        self.launcher.start(used).wait()  # (P,): which parameters got a gradient anywhere
+        self.launcher.all_reduce(used).wait()  # (P,): which parameters got a gradient anywhere
         for param, n_used in zip(self.params, used.tolist(), strict=True):
             if n_used == 0:
                 continue  # unused on every rank: grad stays None
             if param.grad is None:  # unused here only: contributes zero
                 param.grad = torch.zeros_like(param)
-            self.launcher.start(param.grad).wait()
+            self.launcher.all_reduce(param.grad).wait()
             param.grad.div_(self.comm.world_size)
 
 
@@ -148,13 +128,13 @@ class _Bucket:
         self.ready = [False] * len(params)
         self.work = None
 
-    def launch(self, launcher: _Launcher) -> None:
+    def launch(self, launcher: Launcher) -> None:
         for i, param in enumerate(self.params):
             if not self.ready[i]:  # no gradient this backward: what .grad holds still counts
                 # (accumulated in earlier no_sync micro-steps, or zeros); None contributes zero
                 _copy_grad(param, self.views[i])
             self.flags[i] = float(self.ready[i] or param.grad is not None)
-        self.work = launcher.start(self.flat)
+        self.work = launcher.all_reduce(self.flat)
 
 
 def _copy_grad(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -184,7 +164,7 @@ class DataParallelBucketed(nn.Module):
     ):
         super().__init__()
         self.module, self.comm = module, comm
-        self.launcher = _Launcher(comm, algorithm)
+        self.launcher = Launcher(comm, algorithm)
         self.views_as_grads = grads_as_bucket_views
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
         self.buckets = []
