@@ -150,6 +150,35 @@ def test_amp_data_parallel_accumulation_equals_one_process_threads(p, case):
     assert all(s == skipped[0] for s in skipped), skipped  # every rank skipped the same steps
 
 
+def two_groups_one_overflow(comm, agree_on_world: bool) -> list[int]:
+    """Two dp groups, ranks {0, 1} and {2, 3} (two pipeline stages, say); rank 3's loss
+    overflows at step 1. Returns the steps this rank skipped."""
+    amp = impl("amp")
+    f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
+    dp_comm = comm.split(comm.rank // 2)
+    model = Net(2, 3, seed=comm.rank // 2)
+    overflow_comm = comm if agree_on_world else None  # None: the dp group alone
+    mp = amp.MixedPrecisionOptimizer(
+        model, make_optimizer("sgd"), f64, amp.LossScaler(4.0), dp_comm,
+        overflow_comm=overflow_comm,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(comm.rank)
+    for step in range(3):
+        mp.zero_grad()
+        loss = model(torch.randn(2, 2, generator=g, dtype=torch.float64)).square().mean()
+        mp.backward(loss * math.inf if (step, comm.rank) == (1, 3) else loss)
+        mp.step()
+    return mp.skipped
+
+
+@pytest.mark.threads
+def test_overflow_comm_makes_every_group_skip_together():
+    """overflow_comm=the world: the ranks of a 3D job outside this dp group (other pipeline
+    stages, tensor-parallel peers) skip the same step; by default only the dp group skips."""
+    assert run_threads(two_groups_one_overflow, 4, True, **FAST) == [[1]] * 4
+    assert run_threads(two_groups_one_overflow, 4, False, **FAST) == [[], [], [1], [1]]
+
+
 def agree_on_nonfinite(comm, case: dict) -> bool:
     """Each rank holds its own tensors; one may hold an inf or nan; all must answer alike."""
     amp = impl("amp")

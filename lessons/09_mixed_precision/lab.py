@@ -14,19 +14,23 @@ measures on a small model). With every dtype float64, exactly the float64 (data-
 program: 1e-12 relative, loss scaling by powers of two being exact.
 Communication per step, per rank (p ranks, N parameters), with a dp comm: one all-reduce of N
 gradient elements in Precision.reduce (float32 by default: the ring sends 2(p-1)/p * 4N
-bytes), plus one all-reduce of one float32: the overflow flag, so that every rank skips the
-same steps.
+bytes), plus one all-reduce of one float32 on overflow_comm (default the dp comm): the
+overflow flag, so that every rank skips the same steps. Inside ZeRO (zero.py): a
+reduce-scatter in Precision.reduce, all-gathers in Precision.compute (bfloat16: half the bytes).
 Memory per rank, bytes per parameter (Adam): model 2 + its gradient 2 + master 4 + float32
 gradient buffer 4 + Adam state 8 = 20 (float32 training: 4 + 4 + 8 = 16). Mixed precision
 does not shrink model state; it halves the activations and the model copy. (Micikevicius et al.
 count 16 by keeping only float16 gradients; the float32 buffer here is what makes gradient
-accumulation over microbatches exact to float32.)
+accumulation over microbatches exact to float32.) With ZeRO the 20 shrink by sharding: masters,
+Adam state and float32 gradients live on one rank each: 4 + 12/p (ZeRO-1), 2 + 16/p (ZeRO-2),
+18/p (ZeRO-3) bytes per parameter (zero3.py; the paper's 16/p keeps 16-bit gradient shards).
 Loss scaling: gradients are computed for scale * loss, so small ones stay above float16's
 smallest number (2^-24); divided by scale in float32 afterwards. Dynamic: a step with any inf
 or nan is skipped and the scale halved; after growth_interval clean steps in a row it doubles.
 bfloat16 has float32's exponent range and needs no scaling (scale 1, still skipping inf/nan).
 Ladder: cast model + master weights (bfloat16) -> loss scale (float16) -> dynamic loss scale ->
-gradients reduced across dp ranks in float32, the skip agreed by all ranks.
+gradients reduced across dp ranks in float32, the skip agreed by all ranks (overflow_comm: all
+ranks of a 3D job) -> inside ZeRO: master shards (zero.wrap(..., precision, scaler)).
 Paper: Micikevicius et al., Mixed Precision Training (ICLR 2018), sections 3.1 (master
 weights) and 3.2 (loss scaling).   Lesson: lessons/09_mixed_precision/.
 Run: python lessons/09_mixed_precision/demo.py
@@ -40,9 +44,15 @@ Usage (no DataParallel wrapper: give dp_comm here and the gradients are reduced 
     mp.backward(loss)                        # (scale * loss).backward(); grads -> fp32 buffer
     stepped = mp.step()                      # reduce, unscale, agree on inf/nan, maybe step
 
-Pieces a sharded optimizer (ZeRO) composes instead of MixedPrecisionOptimizer: LossScaler
-(scale_loss, update), found_nonfinite(grad_shards, dp_comm) (each rank checks its own shard,
-all agree), Precision (the dtypes), master_copy (float32 copies of this rank's parameters).
+ZeRO composes the pieces itself instead of MixedPrecisionOptimizer (a sharded optimizer must:
+each rank holds other gradients): Precision (the dtypes), LossScaler (scale_loss before
+backward, update), skip_step(grad_shards, scaler, overflow_comm) (each rank checks its own
+shards, all agree). Pass the same precision and scaler to zero.wrap:
+
+    z = zero.wrap(model, dp_comm, torch.optim.AdamW, 2, {"lr": 1e-3}, precision=FP16,
+                  scaler=LossScaler(2.0**16), overflow_comm=world)   # masters: fp32 shards
+    z.backward(loss)                         # (scale * loss).backward()
+    stepped = z.step()                       # False on every rank of overflow_comm on inf/nan
 """
 
 from __future__ import annotations
@@ -130,6 +140,15 @@ def found_nonfinite(tensors: list[torch.Tensor], comm=None) -> bool:
     raise NotImplementedError("Lab 09.1: a local 0/1 flag over the tensors, then the max over comm")
 
 
+def skip_step(grads: list[torch.Tensor], scaler: LossScaler, comm=None) -> bool:
+    """Whether to skip this step: found_nonfinite(grads, comm), each rank checking its own
+    gradients (ZeRO: its shards) and every rank answering the same; the scale is updated
+    either way. Collective on comm: all_reduce(1 float32)."""
+    found = found_nonfinite(grads, comm)
+    scaler.update(found)
+    return found
+
+
 def master_copy(params: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> list:
     """New leaf parameters: `dtype` copies of params (take them before casting the model)."""
     return [nn.Parameter(p.detach().to(dtype, copy=True)) for p in params]
@@ -145,6 +164,9 @@ class MixedPrecisionOptimizer:
     leaves the reduction to a DataParallel wrapper put around the model *after* this cast (its
     buckets then hold, and sum, the compute dtype). Parameters that got no gradient count as
     zero gradient (weight decay still moves them; a plain torch optimizer skips them).
+    overflow_comm: the ranks that agree on skipping a step (default dp_comm). A job with
+    pipeline or tensor parallelism passes the whole world: each rank then holds other
+    parameters' gradients, and a step skipped by some stages only would tear the model apart.
     """
 
     def __init__(
@@ -155,6 +177,7 @@ class MixedPrecisionOptimizer:
         scaler: LossScaler | None = None,
         dp_comm=None,
         reduce_gradients: bool = True,
+        overflow_comm=None,
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if dp_comm is not None:
@@ -164,6 +187,7 @@ class MixedPrecisionOptimizer:
         self.master = master_copy(self.params, precision.master)
         model.to(precision.compute)
         self.precision, self.dp_comm, self.reduce_gradients = precision, dp_comm, reduce_gradients
+        self.overflow_comm = dp_comm if overflow_comm is None else overflow_comm
         self.scaler = scaler or LossScaler(1.0, dynamic=False)
         self.optimizer = make_optimizer(self.master)
         n = sum(p.numel() for p in self.params)
@@ -201,8 +225,8 @@ class MixedPrecisionOptimizer:
         """Reduce over dp_comm, unscale, agree on inf/nan; step the masters and copy them into
         the model unless some rank overflowed. True if the step was taken.
 
-        Collectives on dp_comm: all_reduce(N in precision.reduce) (if reduce_gradients),
-        all_reduce(1 float32).
+        Collectives: all_reduce(N in precision.reduce) on dp_comm (if reduce_gradients),
+        all_reduce(1 float32) on overflow_comm.
         """
         self._collect()  # gradients left by a plain loss.backward() (or a DataParallel wrapper)
         if self.dp_comm is not None and self.reduce_gradients:
