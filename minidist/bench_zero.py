@@ -1,16 +1,19 @@
 """Benchmark of ZeRO stages 0..3: bytes held and sent per rank, and step time, beside the formulas.
 
-    minidist bench zero -n 2 4 --backend mpi [--layers 8] [--width 1024] [--json]
+    minidist bench zero -n 2 4 --backend mpi [--layers 8] [--width 1024] [--precision fp32 bf16]
 
 The model: `layers` Linear(width, width) without bias, ReLU between, float32, Adam (k = 2
 states per element), each rank a batch of its own. Stage 0 is data parallelism
 (data_parallel.DataParallelBucketed with a plain torch Adam on every rank: the baseline this
-benchmark composes with ZeRO on purpose); stages 1..3 are zero.wrap. For each world size in
--n, one launch runs every stage in turn, and per stage reports:
+benchmark composes with ZeRO on purpose); stages 1..3 are zero.wrap, and again with
+precision=amp.BF16 (rows "bf16": a bfloat16 model, float32 master shards, Adam state and
+gradient shards; reduce-scatter in float32, all-gathers in bfloat16). For each world size in
+-n, one launch runs every row in turn, and per row reports:
 
 - MB held per rank, counted: parameters, gradients, optimizer state, the largest seen between
   the phases of a step (after forward, backward, gradient sync, optimizer step), next to
-  zero3.model_state_nbytes (the paper's formula with K = k b bytes of optimizer state);
+  zero3.model_state_nbytes (the paper's formula with K = k b bytes of optimizer state; bf16:
+  with m = 4 bytes of master, its K = (1 + k) m, the float32 master counted as the paper does);
   the gradients counted right after backward and after the gradient sync, before the step;
 - peak RSS growth: the process's resident memory high-water mark during the timed steps minus
   its size before the model was built (Linux /proc; reset before the steps). It holds the model
@@ -18,7 +21,8 @@ benchmark composes with ZeRO on purpose); stages 1..3 are zero.wrap. For each wo
   with one rank per process (mpi, gloo); the ranks run with MALLOC_MMAP_THRESHOLD_ fixed so
   large tensors go back to the system when freed;
 - MB sent per step by this rank, counted by an ObservedComm around the ring collectives (every
-  byte is a send), next to zero3.sent_nbytes plus the used-flags (one element per parameter);
+  byte is a send), next to zero3.sent_nbytes plus the used-flags (one float32 per parameter;
+  bf16 rows: and one float32 all-reduce of the overflow flag, a library call, not counted);
 - step time: the median over --steps timed steps, the slowest rank's.
 
 The machine is shared and noisy: compare ratios taken within one run, not across runs.
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from minidist import zero, zero3
+from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel import DataParallelBucketed
 from minidist.launch import init, launch, run_threads
@@ -85,8 +90,8 @@ def _dp_memory(model: nn.Module, optimizer) -> dict[str, int]:
     }
 
 
-def _build(comm, stage: int, cfg: argparse.Namespace):
-    """The model for this stage: (call(x), sync(), update(), memory())."""
+def _build(comm, stage: int, precision: str, cfg: argparse.Namespace):
+    """The model for this row: (call(x), sync(), update(), memory())."""
     model = make_model(cfg.layers, cfg.width)
     if stage == 0:
         dp = DataParallelBucketed(model, comm, 1 << 20, cfg.algorithm)
@@ -97,7 +102,10 @@ def _build(comm, stage: int, cfg: argparse.Namespace):
             opt.zero_grad()
 
         return dp, dp.finish_gradient_sync, update, lambda: _dp_memory(model, opt)
-    z = zero.wrap(model, comm, torch.optim.Adam, stage, {"lr": 1e-4}, algorithm=cfg.algorithm)
+    mixed = {} if precision == "fp32" else {"precision": PRECISIONS[precision]}
+    z = zero.wrap(
+        model, comm, torch.optim.Adam, stage, {"lr": 1e-4}, algorithm=cfg.algorithm, **mixed
+    )
 
     def update():
         z.step()
@@ -106,13 +114,14 @@ def _build(comm, stage: int, cfg: argparse.Namespace):
     return z, z.finish_gradient_sync, update, lambda: zero3.memory_nbytes(z)
 
 
-def bench_stage(comm, stage: int, cfg: argparse.Namespace) -> dict:
-    """One stage: counted and measured bytes, bytes sent and the step time, on this rank."""
+def bench_stage(comm, stage: int, precision: str, cfg: argparse.Namespace) -> dict:
+    """One row: counted and measured bytes, bytes sent and the step time, on this rank."""
     counter = Counter()
     gc.collect()  # the last stage's wrapper: its hooks hold it in reference cycles
     before = _rss_kb("VmRSS")
-    net, sync, update, memory = _build(ObservedComm(comm, counter), stage, cfg)
+    net, sync, update, memory = _build(ObservedComm(comm, counter), stage, precision, cfg)
     x = torch.randn(cfg.batch, cfg.width, generator=torch.Generator().manual_seed(comm.rank))
+    x = x.to(PRECISIONS[precision].compute)  # (B, width)
     held: dict[str, int] = {}
 
     def one_step():  # x: (B, width), this rank's own batch
@@ -136,6 +145,7 @@ def bench_stage(comm, stage: int, cfg: argparse.Namespace) -> dict:
     worst = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max")
     return {
         "stage": stage,
+        "precision": precision,
         "held": {k: held[k] for k in ("params", "grads", "optimizer")},
         "peak_rss": None if peak is None or before is None else (peak - before) * 1024,
         "sent": counter.bytes_sent / cfg.steps,
@@ -148,12 +158,14 @@ def sample(held: dict, now: dict) -> None:
         held[kind] = max(held.get(kind, 0), n)
 
 
-def formulas(stage: int, numel: int, n_params: int, p: int) -> dict:
-    """What the module docstrings say this row should show (float32: b = 4, Adam: k = 2)."""
+def formulas(stage: int, numel: int, n_params: int, p: int, precision: str = "fp32") -> dict:
+    """What the module docstrings say this row should show (float32: b = 4, Adam: k = 2;
+    bf16: b = 2 for the model and the all-gathers, m = 4 for masters and the reduce-scatter)."""
     flags = 2 * (p - 1) / p * n_params * 4 if p > 1 else 0  # ring all-reduce of the used-flags
+    b, m = (4, 0) if precision == "fp32" else (2, 4)
     return {
-        "held": zero3.model_state_nbytes(stage, numel, p, 4, 2),
-        "sent": zero3.sent_nbytes(stage, numel, p, 4) + flags,
+        "held": zero3.model_state_nbytes(stage, numel, p, b, 2, m),
+        "sent": zero3.sent_nbytes(stage, numel, p, b, m) + flags,
     }
 
 
@@ -162,13 +174,14 @@ def format_table(result: dict) -> str:
     lines = [
         f"# minidist bench zero: {result['backend']}, {p} ranks, float32, {cfg['layers']} x "
         f"Linear({cfg['width']}, {cfg['width']}): Psi = {numel / 1e6:.2f}M, Adam (k = 2)",
-        "# MB per rank, measured (formula); peak = RSS high-water growth in the timed steps",
-        f"{'stage':>5}{'params':>16}{'grads':>16}{'optimizer':>16}{'total':>16}{'peak':>8}"
+        "# MB per rank, measured (formula); peak = RSS high-water growth in the timed steps;",
+        "# bf16: bfloat16 model, float32 masters (counted in optimizer) and gradient shards",
+        f"{'stage':>10}{'params':>16}{'grads':>16}{'optimizer':>16}{'total':>16}{'peak':>8}"
         f"{'sent/step':>16}{'step ms':>9}{'total/0':>8}{'sent/0':>7}{'time/0':>7}",
     ]
     base = result["rows"][0]
     for row in result["rows"]:
-        want = formulas(row["stage"], numel, cfg["layers"], p)
+        want = formulas(row["stage"], numel, cfg["layers"], p, row["precision"])
         cells = [(row["held"][k], want["held"][k]) for k in ("params", "grads", "optimizer")]
         cells.append((sum(row["held"].values()), sum(want["held"].values())))
         text = "".join(f"{a / MB:7.1f} ({b / MB:6.1f})" for a, b in cells)
@@ -176,7 +189,8 @@ def format_table(result: dict) -> str:
         ratio = sum(row["held"].values()) / sum(base["held"].values())
         sent = row["sent"] / base["sent"] if base["sent"] else float("nan")
         lines.append(
-            f"{row['stage']:>5}{text}{peak:>8}{row['sent'] / MB:7.1f} ({want['sent'] / MB:6.1f})"
+            f"{row['stage']:>5}{row['precision']:>5}{text}{peak:>8}"
+            f"{row['sent'] / MB:7.1f} ({want['sent'] / MB:6.1f})"
             f"{row['step_ms']:9.1f}{ratio:8.2f}{sent:7.2f}{row['step_ms'] / base['step_ms']:7.2f}"
         )
     paper = [sum(zero3.model_state_nbytes(s, numel, p, 2, 6).values()) / MB for s in STAGES]
@@ -195,6 +209,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16, help="rows per rank")
     p.add_argument("--steps", type=int, default=5, help="timed steps per stage")
+    p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="rows of stages 1..3 (stage 0, float32, always runs)")  # fmt: skip
     p.add_argument("--algorithm", choices=("ring", "library"), default="ring",
                    help="ring: every byte sent is counted; library: sent shows 0")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -213,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
     for n in args.n:
         out = os.path.join(tempfile.mkdtemp(prefix="minidist-bench-zero-"), "rows.json")
         argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
-        argv += [f"--algorithm={args.algorithm}", f"--out={out}"]
+        argv += [f"--algorithm={args.algorithm}", f"--out={out}", "--precision", *args.precision]
         if args.backend == "threads":
             outcome = run_threads([os.path.abspath(__file__), *argv], n)
         else:  # large tensors straight from mmap, and back on free: RSS follows what is live
@@ -232,19 +248,22 @@ def main(args: argparse.Namespace) -> int:
 
 
 def rank_main(argv: list[str]) -> None:
-    """One rank: every stage in turn; rank 0 writes the rows to --out."""
+    """One rank: every row (stage, precision) in turn; rank 0 writes the rows to --out."""
     parser = argparse.ArgumentParser(prog="minidist bench zero (rank)")
     for flag in ("--layers", "--width", "--batch", "--steps"):
         parser.add_argument(flag, type=int)
     parser.add_argument("--algorithm")
     parser.add_argument("--out")
+    parser.add_argument("--precision", nargs="+")
     cfg = parser.parse_args(argv)
     comm = init()
     torch.set_num_threads(1)  # one core per rank
     warm = torch.zeros(1, requires_grad=True)
     warm.grad = torch.ones(1)
     torch.optim.Adam([warm]).step()  # torch imports more on a first step: not stage 0's bytes
-    rows = [bench_stage(comm, stage, cfg) for stage in STAGES]
+    # stage 0 in float32 always: the baseline of the ratios
+    plan = [(0, "fp32")] + [(s, name) for name in cfg.precision for s in STAGES[1:]]
+    rows = [bench_stage(comm, stage, precision, cfg) for stage, precision in plan]
     if comm.rank == 0:
         if comm.backend == "threads":  # one process holds every rank: no per-rank peak
             for row in rows:

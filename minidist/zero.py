@@ -3,29 +3,32 @@
 Equals: one process training on the whole batch with the same torch optimizer (SGD, Adam,
 AdamW; any elementwise one), the loss a mean over the batch and each rank's loss the mean over
 its equal share. float64: 1e-12 relative (the batch is summed in another order); every rank's
-optimizer state equals the matching slice of that one process's state.
+optimizer state equals the matching slice of that one process's state. So does mixed precision
+with every dtype float64 and a power-of-two loss scale, skipping the same steps.
 Communication per step, per rank (p ranks, Psi trainable elements of b bytes, with the ring):
 ZeRO-1/2 reduce-scatter the gradients and all-gather the parameters: 2 (p-1)/p Psi b, what
 data parallelism's all-reduce sends; ZeRO-3 3 (p-1)/p Psi b (zero3.py). Plus an all-reduce of
-one "used" flag per parameter, as in data_parallel.
+one "used" flag per parameter, as in data_parallel. Mixed precision: all-gathers in the compute
+dtype (bfloat16: half the bytes), the reduce-scatter in the reduce dtype, + 1 float32 (skip).
 Memory per rank (k optimizer states per element, Adam k=2): data parallel (2 + k) Psi b;
-ZeRO-1 (2 + k/p) Psi b; ZeRO-2 (1 + (1+k)/p) Psi b; ZeRO-3 (2 + k)/p Psi b. The paper's mixed
-precision: 2 + 2 + 12 bytes per element, 16 Psi -> 4 Psi + 12 Psi/p -> ... -> 16 Psi/p.
+ZeRO-1 (2 + k/p) Psi b; ZeRO-2 (1 + (1+k)/p) Psi b; ZeRO-3 (2 + k)/p Psi b. Mixed precision:
+the paper's 2 + 2 + 12 bytes per element, and what this code holds: zero3.py.
 Ladder: partition (flat buffers cut into p equal shards) -> ZeRO1 (each rank steps only its
 shard of the optimizer state, then all-gathers the parameters) -> ZeRO2 (gradients
 reduce-scattered bucket by bucket during backward) -> ZeRO3 (zero3.py: parameters sharded,
-gathered layer by layer) -> clip_grad_norm_, state_dict / load_state_dict (any world size).
+gathered layer by layer) -> clip_grad_norm_, state_dict / load_state_dict (any world size)
+-> mixed precision (float32 master shards, loss scaling, a skip all ranks agree on).
 Paper: Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion Parameter Models
 (SC 2020), sections 5 and 7.   Lesson: lessons/07_zero/.
 Run: minidist run -n 4 --backend mpi lessons/07_zero/demo.py
 
-Usage, any stage:
+Usage, any stage (mixed precision: add precision=BF16, or FP16 and scaler=LossScaler()):
 
     zero = wrap(model, comm, torch.optim.AdamW, stage=2, optimizer_kwargs={"lr": 1e-3})
     loss = loss_fn(zero(x_local), y_local)     # x_local: (B/p, ...), this rank's share
-    loss.backward()                            # ZeRO-2/3: reduce-scatters start in here
+    zero.backward(loss)                        # (scale *) loss.backward(): reduce-scatters start
     zero.clip_grad_norm_(1.0)                  # optional: the global norm across shards
-    zero.step()                                # waits for the gradients, steps, all-gathers
+    stepped = zero.step()                      # waits for the gradients, steps, all-gathers
     zero.zero_grad()
 
 Decisions a user must know:
@@ -37,19 +40,22 @@ Decisions a user must know:
 - A parameter with no gradient on any rank keeps none (the optimizer skips it, as in one
   process); with no gradient on some ranks only, those count zero.
 - Gradient accumulation: call finish_gradient_sync() after each backward; shards accumulate.
+- Mixed precision (amp.py): the model is cast to precision.compute, the optimizer steps master
+  shards; gradient shards land averaged, unscaled (clipping sees true values), in the master
+  dtype. step() returns False on every rank of overflow_comm (default dp_comm) on any inf/nan;
+  a 3D job passes the world, so every pipeline stage and tensor-parallel rank skips with it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from minidist.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from minidist.amp import LossScaler, Precision, skip_step
+from minidist.collectives import Launcher
 
 
 @dataclass(frozen=True)
@@ -116,41 +122,12 @@ def group_by_bytes(params: list, bucket_bytes: int | None) -> list[list]:
     return groups
 
 
-class _Launcher:
-    """Starts collectives: the comm's own (asynchronous), or the hand-written ring on one
-    background thread (it is blocking code), so either overlaps with compute. One worker
-    runs them in launch order, the same order on every rank."""
-
-    def __init__(self, comm, algorithm: str):
-        if algorithm not in ("library", "ring"):
-            raise ValueError(f"algorithm={algorithm!r} is not 'library' or 'ring'")
-        self.comm = comm
-        self.pool = ThreadPoolExecutor(1) if algorithm == "ring" else None
-
-    def _start(self, library_work, ring_fn, *args):
-        if self.pool is None:
-            return library_work()
-        future = self.pool.submit(ring_fn, *args, self.comm)
-        # a Work; not future.wait = future.result: that cycle would keep the result, a whole
-        # buffer, alive until the garbage collector runs
-        return SimpleNamespace(wait=future.result)
-
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
-        issue = lambda: self.comm.ireduce_scatter(out, inp, "sum")  # noqa: E731
-        return self._start(issue, ring_reduce_scatter, out, inp)
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        return self._start(lambda: self.comm.iall_gather(out, inp), ring_all_gather, out, inp)
-
-    def all_reduce(self, t: torch.Tensor):
-        return self._start(lambda: self.comm.iall_reduce(t, "sum"), ring_all_reduce, t)
-
-
 class _Unit:
-    """Parameters sharded together: a flat buffer (p S,) of them all, this rank's shard (S,),
-    and the bookkeeping of one backward. The parameters become views into the flat buffer."""
+    """Parameters sharded together: a flat buffer (p S,) of them all (the parameters become
+    views into it), this rank's shard (S,), a master shard (S,) if precision, and the
+    bookkeeping of one backward."""
 
-    def __init__(self, params: list[nn.Parameter], comm, own_shard: bool):
+    def __init__(self, params: list[nn.Parameter], comm, own_shard: bool, precision=None):
         p, r = comm.world_size, comm.rank
         self.params, self.plan = params, partition([q.numel() for q in params], p)
         S = self.plan.shard_numel
@@ -159,7 +136,12 @@ class _Unit:
             for q, off in zip(params, self.plan.offsets, strict=True):
                 full[off : off + q.numel()].copy_(q.reshape(-1))
         comm.broadcast(full, 0)  # every rank starts from rank 0's values
-        self.shard = full[r * S : (r + 1) * S]  # (S,) a view: the optimizer updates it
+        self.dtypes = precision or Precision(full.dtype, full.dtype, full.dtype)
+        self.master = None  # mixed precision: a master shard, from the values before rounding
+        if precision is not None:
+            self.master = full[r * S : (r + 1) * S].to(precision.master, copy=True)  # (S,)
+        full = full.to(self.dtypes.compute)  # (p S,) the model's copy
+        self.shard = full[r * S : (r + 1) * S]  # (S,) a view into the model's copy
         if own_shard:  # ZeRO-3: the shard is all that stays; the full buffer comes and goes
             self.shard = self.shard.clone()
             # a fresh buffer that no comm ever sees: the MPI backend exposes buffers through
@@ -171,12 +153,13 @@ class _Unit:
         if own_shard:
             self.flat.untyped_storage().resize_(0)  # freed until zero3 gathers it
         self.pieces = self.plan.pieces(r)
-        self.tensors = [self.shard[c.at : c.at + c.hi - c.lo] for c in self.pieces]  # views
+        self.stepped = self.shard if self.master is None else self.master  # by the optimizer
+        self.tensors = [self.stepped[c.at : c.at + c.hi - c.lo] for c in self.pieces]  # views
         self.ready = [False] * len(params)  # got this backward's gradient
         # used: 1 where this rank had a gradient this round (P,); has_grad: some rank had one
-        self.used = torch.zeros(len(params), dtype=full.dtype, device=full.device)
+        self.used = torch.zeros(len(params), dtype=self.dtypes.master, device=full.device)
         self.has_grad = [False] * len(params)  # ... since zero_grad
-        self.grad_shard: torch.Tensor | None = None  # (S,) the averaged gradient, this shard
+        self.grad_shard: torch.Tensor | None = None  # (S,) the averaged gradient, master dtype
         self.work = self.grad_flat = self.recv = None  # a reduce-scatter in flight
         self.gather_work = self.landing = None  # ZeRO-3: an all-gather in flight
 
@@ -188,6 +171,7 @@ class ZeRO1(nn.Module):
     per Piece: a parameter without a gradient is skipped exactly as in one process. After
     backward, finish_gradient_sync reduce-scatters each unit's gradients (rank r receives the
     sum over ranks of its shard); step() all-gathers the updated shards into every rank's model.
+    Mixed precision (precision or scaler given): the optimizer steps master shards instead.
     """
 
     own_shard = False  # ZeRO-3 keeps only the shard of the parameters
@@ -201,15 +185,22 @@ class ZeRO1(nn.Module):
         bucket_bytes: int | None = None,
         algorithm: str = "library",
         groups: list[list[nn.Parameter]] | None = None,
+        precision: Precision | None = None,
+        scaler: LossScaler | None = None,
+        overflow_comm=None,
     ):
         super().__init__()
         self.module, self.comm = module, comm
-        self.launcher = _Launcher(comm, algorithm)
+        self.launcher = Launcher(comm, algorithm)
         trainable = [q for q in module.parameters() if q.requires_grad][::-1]  # backward order
         if not trainable:
             raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
+        self.mixed = precision is not None or scaler is not None  # scaler alone: no masters
+        self.scaler = scaler or LossScaler(1.0, dynamic=False)  # 1.0: no scaling
+        self.overflow_comm = comm if overflow_comm is None else overflow_comm
+        self.steps, self.skipped = 0, []  # skipped: the steps skipped for inf/nan, from 0
         groups = groups if groups is not None else group_by_bytes(trainable, bucket_bytes)
-        self.units = [_Unit(g, comm, self.own_shard) for g in groups]
+        self.units = [_Unit(g, comm, self.own_shard, precision) for g in groups]
         self.where = {id(q): (u, i) for u in self.units for i, q in enumerate(u.params)}
         if len(self.where) != len(trainable):
             raise ValueError(f"groups hold {len(self.where)} of {len(trainable)} parameters")
@@ -218,6 +209,8 @@ class ZeRO1(nn.Module):
         with torch.no_grad():  # frozen parameters and buffers: rank 0's, whole, everywhere
             for t in [*(q for q in module.parameters() if not q.requires_grad), *module.buffers()]:
                 comm.broadcast(t.data, 0)
+                if precision is not None and t.is_floating_point():
+                    t.data = t.data.to(precision.compute)  # the model runs in one dtype
         tensors = [t for u in self.units for t in u.tensors]
         # a rank whose shard is all padding gets one empty tensor: step() works everywhere
         self.optimizer = optimizer(tensors or [torch.zeros(0)], **(optimizer_kwargs or {}))
@@ -250,24 +243,23 @@ class ZeRO1(nn.Module):
     def _launch(self, unit: _Unit) -> None:
         """Copy the unit's gradients into a padded flat buffer, free them, reduce-scatter."""
         # lab 07.2 begin: fill unit.grad_flat (zeros where no grad), note unit.used, free .grad
-        unit.grad_flat = torch.zeros_like(unit.flat, memory_format=torch.contiguous_format)
+        unit.grad_flat = unit.flat.new_zeros(unit.flat.shape, dtype=unit.dtypes.reduce)  # (p S,)
         for i, (q, off) in enumerate(zip(unit.params, unit.plan.offsets, strict=True)):
             unit.used[i] = float(q.grad is not None)
             if q.grad is not None:
                 unit.grad_flat[off : off + q.numel()].copy_(q.grad.reshape(-1))
                 q.grad = None  # the full gradient goes: only this rank's shard will stay
-        unit.recv = torch.empty_like(unit.shard)  # (S,)
+        unit.recv = unit.grad_flat.new_empty(unit.shard.shape)  # (S,)
         unit.work = self.launcher.reduce_scatter(unit.recv, unit.grad_flat)
         # lab 07.2 end
 
     def _land(self, unit: _Unit) -> None:
-        """Wait for a unit's reduce-scatter; add the average into its gradient shard."""
+        """Wait for a unit's reduce-scatter; add the average into its gradient shard, in the
+        master dtype (microbatches accumulate there) and unscaled: clipping sees true values."""
         unit.work.wait()
-        unit.recv.div_(self.comm.world_size)  # the mean over ranks' means: the batch mean
-        if unit.grad_shard is None:
-            unit.grad_shard = unit.recv
-        else:
-            unit.grad_shard.add_(unit.recv)
+        # the mean over ranks' means: the batch mean; unscaled, exactly for a power-of-two scale
+        mean = unit.recv.to(unit.dtypes.master).div_(self.comm.world_size * self.scaler.scale)
+        unit.grad_shard = mean if unit.grad_shard is None else unit.grad_shard.add_(mean)
         unit.work = unit.grad_flat = unit.recv = None
 
     def finish_gradient_sync(self) -> None:
@@ -311,16 +303,29 @@ class ZeRO1(nn.Module):
         # lab 07.3 end
         return norm[0]
 
-    def step(self) -> None:
-        """Finish the gradients, step this rank's shard, make every rank's parameters whole."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """(scale * loss).backward(): with a loss scaler, call this instead of loss.backward()."""
+        self.scaler.scale_loss(loss).backward()
+
+    def step(self) -> bool:
+        """Finish the gradients, step this rank's shard, make every rank's parameters whole.
+        Mixed precision: all ranks skip that (return False) if any gradient anywhere is inf/nan."""
         self.finish_gradient_sync()
+        self.steps += 1
+        shards = [u.grad_shard for u in self.units if u.grad_shard is not None]
+        if self.mixed and skip_step(shards, self.scaler, self.overflow_comm):
+            self.skipped.append(self.steps - 1)  # masters, optimizer state, model: unchanged
+            return False
         self.optimizer.step()
         self._publish()
+        return True
 
     def _publish(self) -> None:
-        """All-gather each unit's updated shard into every rank's flat buffer (the model)."""
-        # the input is a copy: a collective's input may not overlap its output (MPI)
-        works = [self.launcher.all_gather(u.flat, u.shard.clone()) for u in self.units]
+        """All-gather each unit's updated shard into every rank's flat buffer (the model);
+        mixed precision: the master shard rounded to the compute dtype (fewer bytes)."""
+        # copies, as a collective's input may not overlap its output (MPI); rounded if mixed
+        mine = [u.stepped.to(u.flat.dtype, copy=True) for u in self.units]  # (S,) each
+        works = [self.launcher.all_gather(u.flat, x) for u, x in zip(self.units, mine, strict=True)]
         for work in works:
             work.wait()
 
@@ -382,7 +387,7 @@ def wrap(module: nn.Module, dp_comm, optimizer, stage: int, optimizer_kwargs=Non
 
     optimizer: a torch optimizer class, or any callable(tensors, **optimizer_kwargs).
     options: algorithm ("library" or "ring"), bucket_bytes (1, 2), units (3: the modules whose
-    parameters are gathered together).
+    parameters are gathered together), precision, scaler, overflow_comm (mixed precision).
     """
     if stage == 3:
         from minidist.zero3 import ZeRO3  # zero3 builds on this module: import late

@@ -8,8 +8,16 @@ all-gather of each unit before its forward and again before its backward, reduce
 its gradients: 3 (p-1)/p Psi b, 1.5x data parallelism's 2 (p-1)/p Psi b.
 Memory per rank: (2 + k)/p Psi b for parameters, gradients and k optimizer states per element,
 plus the full parameters of the units being used: the current one and the prefetched next.
+Mixed precision (bfloat16 model, float32 masters, Adam), bytes per element, stages 0..3: the
+paper's (section 3.1, figure 1) 2 + 2 + 12 -> 4 + 12/p -> 2 + 14/p -> 16/p; held here
+2 + (2 + 4) + 12 -> 4 + 12/p -> 2 + 16/p -> 18/p: the gradient shard is float32, so gradient
+accumulation adds in float32 (model_state_nbytes with m = 4). ZeRO-1 also holds its one
+unit's whole gradient in the reduce dtype during the sync (ZeRO-2's buckets bound that).
+Mixed precision communication: the two all-gathers move the compute dtype (bfloat16: half the
+bytes), the reduce-scatter the reduce dtype: (p-1)/p Psi (2 c + r) (sent_nbytes).
 Ladder: ZeRO1 -> ZeRO2 (zero.py) -> ZeRO3 (here: gather before use, free after, prefetch)
--> consolidate / load_consolidated (any stage; re-sharding into any world size).
+-> consolidate / load_consolidated (any stage; re-sharding into any world size; with mixed
+precision the float32 masters and the loss scaler's state).
 Paper: Rajbhandari et al., ZeRO (SC 2020), section 5.3 (P_os+g+p) and 7.2; the same idea is
 PyTorch's FSDP (Zhao et al., VLDB 2023) with FULL_SHARD.   Lesson: lessons/07_zero/.
 Run: minidist run -n 4 --backend mpi lessons/07_zero/demo.py
@@ -40,6 +48,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from minidist.amp import LossScaler, Precision
 from minidist.zero import ZeRO2
 
 
@@ -57,12 +66,14 @@ class ZeRO3(ZeRO2):
         units: list[nn.Module] | None = None,
         algorithm: str = "library",
         prefetch: bool = True,
+        precision: Precision | None = None,
+        scaler: LossScaler | None = None,
+        overflow_comm=None,
     ):
         modules, groups = unit_groups(module, units)  # forward order
-        backward_order = groups[::-1]  # units are launched in this order
-        super().__init__(
-            module, comm, optimizer, optimizer_kwargs, algorithm=algorithm, groups=backward_order
-        )
+        options = {"algorithm": algorithm, "groups": groups[::-1]}  # launched in backward order
+        options |= {"precision": precision, "scaler": scaler, "overflow_comm": overflow_comm}
+        super().__init__(module, comm, optimizer, optimizer_kwargs, **options)
         self.order = self.units[::-1]  # order[i]: the unit of modules[i]
         self.prefetch = prefetch
         for i, m in enumerate(modules):
@@ -125,9 +136,12 @@ class ZeRO3(ZeRO2):
         super().finish_gradient_sync()
 
     def _publish(self) -> None:
-        """No all-gather after a step: each forward gathers the new shards. A whole copy left
-        over (a prefetch that no forward used) holds old values: drop it."""
+        """No all-gather after a step: each forward gathers the new shards (mixed precision:
+        the master shard rounded into the compute-dtype shard first). A whole copy left over
+        (a prefetch that no forward used) holds old values: drop it."""
         for unit in self.units:
+            if unit.master is not None:
+                unit.shard.copy_(unit.master)  # rounds to the compute dtype
             self._free(unit)
 
     @contextlib.contextmanager
@@ -178,34 +192,56 @@ def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
 # ---- what needs every shard: accounting, consolidation, re-sharding ----------------------
 
 
-def model_state_nbytes(stage: int, numel: int, p: int, b: int, k: float) -> dict[str, float]:
+def model_state_nbytes(
+    stage: int, numel: int, p: int, b: int, k: float, m: int = 0
+) -> dict[str, float]:
     """The paper's bytes per rank (section 5, figure 1) for numel elements: parameters and
     gradients of b bytes, k b bytes of optimizer state per element (K = k b; stage 0: data
-    parallelism). Exact when p divides every unit's size, else shards carry < p pad elements."""
+    parallelism). Exact when p divides every unit's size, else shards carry < p pad elements.
+
+    m > 0: mixed precision as this project holds it: the optimizer steps a master copy of m
+    bytes per element and keeps its k states in m bytes (K = (1 + k) m: the paper's 12 for
+    float32 Adam); the gradient shard is kept in m bytes too, so microbatches accumulate in
+    float32. Stage 1 holds the model's gradients until the sync, then the shard (the larger
+    counts); stage 0 is amp.MixedPrecisionOptimizer, which keeps a whole float32 buffer."""
     full, shard = numel * b, numel * b / p
+    if not m:
+        return {
+            "params": shard if stage >= 3 else full,
+            "grads": shard if stage >= 2 else full,
+            "optimizer": k * (shard if stage >= 1 else full),
+        }
+    master = numel * m / p if stage >= 1 else numel * m
     return {
         "params": shard if stage >= 3 else full,
-        "grads": shard if stage >= 2 else full,
-        "optimizer": k * (shard if stage >= 1 else full),
+        "grads": {0: full + master, 1: max(full, master)}.get(stage, master),
+        "optimizer": (1 + k) * master,
     }
 
 
-def sent_nbytes(stage: int, numel: int, p: int, b: int) -> float:
-    """Bytes each rank sends per step with ring collectives (the used-flags not counted)."""
-    return (3 if stage == 3 else 2) * (p - 1) / p * numel * b
+def sent_nbytes(stage: int, numel: int, p: int, b: int, r: int = 0) -> float:
+    """Bytes each rank sends per step with ring collectives (the used-flags not counted): the
+    all-gathers move the parameters' b bytes per element, the reduce-scatter (stage 0: the
+    all-reduce) the gradients' r bytes (mixed precision's reduce dtype; default b)."""
+    r = r or b
+    if stage == 0:
+        return 2 * (p - 1) / p * numel * r
+    return (p - 1) / p * numel * ((2 if stage == 3 else 1) * b + r)
 
 
 def memory_nbytes(zero) -> dict[str, int]:
     """Bytes of model state a ZeRO object's rank holds now, counted by storage: params, grads,
-    optimizer (elementwise state; Adam's 0-d step counters left out) and buffers (in flight)."""
+    optimizer (elementwise state and, with mixed precision, the master shard, as the paper
+    counts it; Adam's 0-d step counters left out) and buffers (in flight)."""
     units = zero.units
     state = [v for s in zero.optimizer.state.values() for v in s.values()]
+    state = [v for v in state if torch.is_tensor(v) and v.dim() > 0] + [u.master for u in units]
     return {
         "params": _storage_nbytes([u.flat for u in units] + [u.shard for u in units]),
         "grads": _storage_nbytes(
             [q.grad for u in units for q in u.params] + [u.grad_shard for u in units]
         ),
-        "optimizer": _storage_nbytes([v for v in state if torch.is_tensor(v) and v.dim() > 0]),
+        "optimizer": _storage_nbytes(state),
         "buffers": _storage_nbytes([t for u in units for t in (u.grad_flat, u.recv, u.landing)]),
     }
 
@@ -226,7 +262,9 @@ def consolidate(zero, dst: int = 0) -> dict | None:
     {"model": {name: tensor}: every parameter and buffer, whole (like module.state_dict());
      "optimizer": {name: {key: value}}: each trainable parameter's state as one process's
      torch optimizer holds it; "elementwise": the keys held per element}. Each rank sends
-    dst its pieces (p2p, pickled); dst lays them side by side (merge_states).
+    dst its pieces (p2p, pickled); dst lays them side by side (merge_states). With mixed
+    precision the trainable parameters are the masters (precision.master: what the optimizer
+    steps) and "scaler" holds the loss scaler's state.
     """
     mine = [
         (name, lo, hi, t.detach().cpu().clone(), _cpu(zero.optimizer.state.get(t, {})))
@@ -237,7 +275,8 @@ def consolidate(zero, dst: int = 0) -> dict | None:
         return None
     others = {r: _recv_object(zero.comm, r) for r in range(zero.comm.world_size) if r != dst}
     shards = [mine if r == dst else others[r] for r in range(zero.comm.world_size)]
-    return merge_states(shards, zero.module)
+    scaler = {"scaler": zero.scaler.state_dict()} if zero.mixed else {}
+    return merge_states(shards, zero.module) | scaler
 
 
 def merge_states(shards: list[list[tuple]], module: nn.Module) -> dict:
@@ -247,6 +286,8 @@ def merge_states(shards: list[list[tuple]], module: nn.Module) -> dict:
     optim, elementwise = {}, set()
     for pieces in shards:
         for name, lo, hi, values, state in pieces:
+            if flat[name].dtype != values.dtype:  # mixed precision: the masters' dtype
+                flat[name] = flat[name].to(values.dtype)
             flat[name][lo:hi] = values
             for key, v in state.items():
                 entry = optim.setdefault(name, {})
@@ -283,13 +324,14 @@ def _cut(t: torch.Tensor, piece) -> torch.Tensor:
 
 def load_consolidated(zero, state: dict | None, src: int = 0) -> None:
     """Load a consolidated state (given on rank src) into a ZeRO object of any stage, in a
-    world of any size: src cuts each rank its pieces (shard_state) and sends them (p2p)."""
+    world of any size: src cuts each rank its pieces (shard_state) and sends them (p2p).
+    Mixed precision: the masters are loaded, the model gets them rounded; so is the scaler."""
     comm = zero.comm
     if comm.rank == src:
         whole = {n: state["model"][n] for n in _whole(zero.module)}
         for r in range(comm.world_size):
             pieces = [u.plan.pieces(r) for u in zero.units]  # rank r's share of the same plan
-            part = (shard_state(state, zero.names, pieces), whole)
+            part = (shard_state(state, zero.names, pieces), whole, state.get("scaler"))
             if r == src:
                 mine = part
             else:
@@ -308,7 +350,9 @@ def load_consolidated(zero, state: dict | None, src: int = 0) -> None:
             }
         for name, t in _whole(zero.module).items():
             t.copy_(mine[1][name])
-    zero._publish()
+    if zero.mixed and mine[2] is not None:
+        zero.scaler.load_state_dict(mine[2])
+    zero._publish()  # the model takes the loaded values (mixed precision: rounded)
 
 
 def _whole(module: nn.Module) -> dict[str, torch.Tensor]:
