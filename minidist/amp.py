@@ -215,10 +215,12 @@ class MixedPrecisionOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         """(scale * loss).backward(), then add the model's gradients to the float32 buffer."""
         self.scaler.scale_loss(loss).backward()
-        self._collect()
+        self.collect()
 
-    def _collect(self) -> None:
-        """grad_flat += the model's (low-precision) gradients, cast up; then free those."""
+    def collect(self) -> None:
+        """grad_flat += the model's (low-precision) gradients, cast up; then free those. Call
+        it after each microbatch's backward when something else ran backward (a pipeline
+        schedule), so microbatches accumulate in float32, not in the compute dtype."""
         for param, master in zip(self.params, self.master, strict=True):
             if param.grad is not None:
                 master.grad.add_(param.grad)  # cast up exactly, summed in float32
@@ -236,7 +238,7 @@ class MixedPrecisionOptimizer:
         Collectives: all_reduce(N in precision.reduce) on dp_comm (if reduce_gradients),
         all_reduce(1 float32) on overflow_comm.
         """
-        self._collect()  # gradients left by a plain loss.backward() (or a DataParallel wrapper)
+        self.collect()  # gradients left by a plain loss.backward() (or a DataParallel wrapper)
         if self.dp_comm is not None and self.reduce_gradients:
             self._all_reduce_mean()
         stepped = self._unscale_and_step()

@@ -213,6 +213,28 @@ def test_every_rank_agrees_on_an_overflow_anywhere(p, case):
 
 
 @pytest.mark.pure
+def test_collect_after_each_microbatch_accumulates_like_backward():
+    """A schedule that runs backward itself calls collect() after each microbatch: the float32
+    buffer then holds what mp.backward would have put there (float64 here: bitwise)."""
+    amp = impl("amp")
+    f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
+    (x, y), grads = problem(3, 4, 5, 1)[0], []
+    for way in ("backward", "collect"):
+        model = Net(3, 4, seed=5)
+        mp = amp.MixedPrecisionOptimizer(model, make_optimizer("sgd"), f64, amp.LossScaler(8.0))
+        for lo in (0, 2):  # two microbatches of two rows
+            loss = nn.functional.mse_loss(model(x[lo : lo + 2]), y[lo : lo + 2])
+            if way == "backward":
+                mp.backward(loss)
+            else:
+                mp.scaler.scale_loss(loss).backward()
+                mp.collect()
+                assert all(q.grad is None for q in model.parameters())  # freed
+        grads.append(mp.grad_flat.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.pure
 def test_loss_scaler_follows_the_schedule():
     amp = impl("amp")
 
