@@ -214,6 +214,35 @@ def test_ring_mirrors_library_semantics(p):
     run_threads(mirrors_library, p, 5)
 
 
+def launched(comm, n_per_rank: int) -> None:
+    """Launcher: the library and the ring, started without waiting (two in flight at once),
+    give the same sums and gathers (integer-valued: exact); every Work has is_completed."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    inp = integer_valued((p * n_per_rank,), torch.float32, 3, rank=r)  # (p n,)
+    got = {}
+    for algorithm in ("library", "ring"):
+        launcher = C.Launcher(comm, algorithm)
+        summed, shard, whole = inp.clone(), torch.empty(n_per_rank), torch.empty(p * n_per_rank)
+        works = [launcher.all_reduce(summed), launcher.reduce_scatter(shard, inp)]
+        for work in works:
+            work.wait()
+        last = launcher.all_gather(whole, shard)
+        last.wait()
+        verdict(comm, last.is_completed(), f"{algorithm}: waited, yet not completed")
+        got[algorithm] = (summed, shard, whole)
+    names = ("all_reduce", "reduce_scatter", "all_gather")
+    check_all(comm, {n: (a, b) for n, a, b in zip(names, *got.values(), strict=True)})
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 3, 4])
+def test_launcher_ring_matches_library(p):
+    run_threads(launched, p, 5, **FAST)
+    with pytest.raises(ValueError, match="algorithm='tree' is not 'library' or 'ring'"):
+        impl("collectives").Launcher(None, "tree")
+
+
 def bad_arguments(comm) -> list[str]:
     """The ValueError message of each bad call (every rank makes the same bad calls)."""
     C = impl("collectives")
