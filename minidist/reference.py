@@ -53,23 +53,27 @@ def _numel(module: nn.Module) -> int:
     return sum(q.numel() for q in module.parameters())
 
 
-def _whole_flat(model: gpt.GPTConfig, i: int, layer: nn.Module, tp_comm) -> torch.Tensor:
-    """Layer i's whole parameters, flat (float64), from every tp rank's slices.
-
-    Which whole elements does this rank hold? Cut a whole layer whose parameters hold their
-    own element numbers, the same way: the slices say. Then all_gather values and numbers."""
+def element_numbers(model: gpt.GPTConfig, i: int, tp_comm) -> tuple[torch.Tensor, int]:
+    """Which elements of layer i's whole parameters (laid end to end, n in all) this tp rank
+    holds, in the order of its own parameters: cut a whole layer whose parameters hold their
+    own element numbers, the same way the model is cut, and read the slices."""
     probe = gpt.whole_layer(model, i, torch.float64)
+    n = 0
     with torch.no_grad():
-        n = 0
         for q in probe.parameters():
             q.copy_(torch.arange(n, n + q.numel(), dtype=torch.float64).view_as(q))
             n += q.numel()
-    where = torch.cat([q.detach().reshape(-1) for q in gpt.parallel_layer(probe, tp_comm)
-                       .parameters()])  # fmt: skip
+    cut = gpt.parallel_layer(probe, tp_comm).parameters()  # slicing only: no communication
+    return torch.cat([q.detach().reshape(-1) for q in cut]).long(), n
+
+
+def _whole_flat(model: gpt.GPTConfig, i: int, layer: nn.Module, tp_comm) -> torch.Tensor:
+    """Layer i's whole parameters, flat (float64), from every tp rank's slices: all_gather
+    the values with their element numbers."""
+    where, n = element_numbers(model, i, tp_comm)
     values = torch.cat([q.detach().double().reshape(-1) for q in layer.parameters()])
-    p = tp_comm.world_size
-    both = torch.empty(p, 2, len(values), dtype=torch.float64)
-    tp_comm.all_gather(both, torch.stack([where, values]))
+    both = torch.empty(tp_comm.world_size, 2, len(values), dtype=torch.float64)
+    tp_comm.all_gather(both, torch.stack([where.double(), values]))
     flat = torch.empty(n, dtype=torch.float64)
     flat[both[:, 0].reshape(-1).long()] = both[:, 1].reshape(-1)  # replicated ones: equal
     return flat

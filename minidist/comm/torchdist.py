@@ -133,6 +133,16 @@ class TorchDistComm:
         """t itself if contiguous, else a contiguous copy (the caller copies results back)."""
         return t if t.is_contiguous() else t.contiguous()
 
+    def _issue(self, what: str, peer, start, *args, **kwargs):
+        """start(*args, **kwargs), a torch.distributed call. Gloo may fail at once when a peer
+        has died (its connection is closed): that is a PeerFailed, as it would be in wait()."""
+        try:
+            return start(*args, **kwargs)
+        except RuntimeError as e:
+            if not any(word in str(e) for word in ("closed", "reset", "Broken pipe")):
+                raise
+            raise PeerFailed(f"{describe(self, what, self.seq, peer)} failed: {e}") from e
+
     def _work(self, work, what, peer=None, finish=lambda: None) -> CallbackWork:
         return CallbackWork(_TorchWork(self, work, what, self.seq, peer), finish)
 
@@ -148,8 +158,11 @@ class TorchDistComm:
             self.to_self.setdefault(tag, deque()).append(t.detach().clone())
             return CallbackWork(DoneWork(), lambda: None)
         dense = self._dense(t).reshape(-1)  # 0-d tensors travel as one element
-        work = dist.isend(dense, self._global(dst), group=self.group, tag=tag)
-        return self._work(work, f"send(tag={tag})", dst)
+        what = f"send(tag={tag})"
+        work = self._issue(
+            what, dst, dist.isend, dense, self._global(dst), group=self.group, tag=tag
+        )
+        return self._work(work, what, dst)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
         check_peer(self, src, "src")
@@ -157,8 +170,11 @@ class TorchDistComm:
         if src == self.rank:
             return CallbackWork(DoneWork(), lambda: self._recv_self(t, tag, self.seq))
         dense = self._dense(t)
-        work = dist.irecv(dense.reshape(-1), self._global(src), group=self.group, tag=tag)
-        return self._work(work, f"recv(tag={tag})", src, self._back(dense, t))
+        what, flat = f"recv(tag={tag})", dense.reshape(-1)
+        work = self._issue(
+            what, src, dist.irecv, flat, self._global(src), group=self.group, tag=tag
+        )
+        return self._work(work, what, src, self._back(dense, t))
 
     def _recv_self(self, t: torch.Tensor, tag: int, seq: int) -> None:
         box = self.to_self.get(tag)
@@ -186,7 +202,8 @@ class TorchDistComm:
         self.seq += 1
         dense = self._dense(t)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
-        work = dist.all_reduce(dense, op=reduce_op, group=self.group, async_op=True)
+        work = self._issue("all_reduce", None, dist.all_reduce, dense, op=reduce_op,
+                           group=self.group, async_op=True)  # fmt: skip
 
         def finish():
             if op == "avg":  # a sum then one division: the same numbers on every backend
@@ -201,9 +218,8 @@ class TorchDistComm:
         self.seq += 1
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
-        work = _reduce_scatter_flat(
-            dst.reshape(-1), src, op=reduce_op, group=self.group, async_op=True
-        )
+        work = self._issue("reduce_scatter", None, _reduce_scatter_flat, dst.reshape(-1), src,
+                           op=reduce_op, group=self.group, async_op=True)  # fmt: skip
 
         def finish():
             if op == "avg":
@@ -216,14 +232,16 @@ class TorchDistComm:
         check_gather(out, inp, self.world_size, "all_gather")
         self.seq += 1
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
-        work = _all_gather_flat(dst.reshape(-1), src, group=self.group, async_op=True)
+        work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src,
+                           group=self.group, async_op=True)  # fmt: skip
         return self._work(work, "all_gather", finish=self._back(dst, out))
 
     def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
         check_peer(self, src, "src")
         self.seq += 1
         dense = self._dense(t)
-        work = dist.broadcast(dense, self._global(src), group=self.group, async_op=True)
+        work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src),
+                           group=self.group, async_op=True)  # fmt: skip
         return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -249,15 +267,28 @@ class TorchDistComm:
 
     def split(self, color: int) -> TorchDistComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""
-        colors = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        self.all_gather(colors, torch.tensor([color], device=self.device))
-        ranks = [self._global(r) for r, c in enumerate(colors.tolist()) if c == color]
+        mine = torch.tensor([color, _groups_made()], device=self.device)
+        every = torch.empty(self.world_size, 2, dtype=torch.int64, device=self.device)
+        self.all_gather(every, mine)
+        members = [r for r, (c, _) in enumerate(every.tolist()) if c == color]
+        ranks = [self._global(r) for r in members]
+        # torch names a group after its ranks and the number of groups this process has made,
+        # and members that disagree on the name wait for each other forever: first catch up
+        # with the member that has made the most, with groups of one (no connections to make)
+        target = max(every[r, 1].item() for r in members)
+        while _groups_made() < target:
+            dist.new_group([dist.get_rank()], use_local_synchronization=True)
         # only the members create (and synchronise on) their group: other colors do the same
         # for theirs at the same time
         group = dist.new_group(ranks, use_local_synchronization=True)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise CommError(f"rank {self.rank}: split(color={color}) made no group")
         return TorchDistComm(group, self.backend, self.device, self.timeout)
+
+
+def _groups_made() -> int:
+    """How many process groups this process holds (torch's own count, part of a group's name)."""
+    return len(dist.distributed_c10d._world.pg_names)
 
 
 def is_initialized() -> bool:

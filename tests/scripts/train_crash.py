@@ -1,0 +1,24 @@
+"""The main job on 4 ranks (dp=1, pp=2, tp=2); rank 2 is killed (SIGKILL) in its third step,
+in the middle of the pipeline, while the others wait on it."""
+
+import os
+import signal
+
+import minidist
+from minidist.train import TrainConfig, build_job, train_step
+
+comm = minidist.init()
+config = TrainConfig(pp=2, tp=2, microbatches=4, steps=10)
+job = build_job(comm, config)
+original = job.stage.forward
+
+
+def forward(op):
+    if comm.rank == 2 and job.step == 2 and op.microbatch == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies without a word, as an OOM kill would
+    original(op)
+
+
+job.stage.forward = forward
+for _ in range(config.steps):
+    train_step(job)
