@@ -24,7 +24,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not processes"
 
 demo: venv
-	$(VENV)/bin/minidist run -n 4 --backend mpi lessons/02_collectives/demo.py
+	$(VENV)/bin/minidist train --dp 2 --pp 2 --tp 2 --microbatches 4 --backend mpi --check
 
 # every benchmark, side by side with its formula; one run on a shared machine: read the ratios
 bench: venv

@@ -240,7 +240,7 @@ def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
     }  # fmt: skip
     reference = train_whole(config) if args.check else None
     if reference is not None:
-        summary["check"] = differences(result, reference)
+        summary["check"] = differences(result, reference, config)
         summary["check"]["seconds_one_process"] = reference["seconds"]
     _draw_losses(summary["files"]["loss"], result, reference)
     if p > 1:
@@ -248,6 +248,8 @@ def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
                       f"{config.schedule}: measured, last step (pp={p}, m={m})")  # fmt: skip
     write_chrome_trace(summary["files"]["trace"], report["events"])
     print(json.dumps(summary) if args.json else _tables(summary))
+    if reference is not None and not summary["check"]["ok"]:
+        sys.exit(1)  # --check failed: the job fails
 
 
 def _draw_losses(path: str, result: dict, reference: dict | None) -> None:
@@ -286,12 +288,14 @@ def _tables(s: dict) -> str:
               f"{s['bubble_formula']:.3f} formula ({c['schedule']}, pp={c['pp']}, "
               f"m={c['microbatches']})"]  # fmt: skip
     if "check" in s:
-        k = s["check"]
-        lines.append(
-            f"check against one process ({k['seconds_one_process']:.1f} s): largest "
-            f"relative difference: loss curve {k['loss']:.2e}, final parameters "
-            f"{k['parameters']:.2e}; same skipped steps: {k['same_skipped_steps']}"
-        )
+        k, tol = s["check"], s["check"]["tolerance"]
+        verdict = "passed" if k["ok"] else "FAILED"
+        limits = f"loss {tol['loss']:g}" + (f", parameters {tol['parameters']:g}"
+                                            if tol["parameters"] else "")  # fmt: skip
+        lines.append(f"check against one process ({k['seconds_one_process']:.1f} s) {verdict}:"
+                     f" largest relative difference: loss curve {k['loss']:.2e}, final "
+                     f"parameters {k['parameters']:.2e} (accepted: {limits}); same skipped "
+                     f"steps: {k['same_skipped_steps']}")  # fmt: skip
     lines.append("wrote " + ", ".join(s["files"].values()))
     return "\n".join(lines)
 
