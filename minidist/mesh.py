@@ -54,9 +54,11 @@ class Layout:
         """(d, s, t) of a world rank: its replica, pipeline stage and tensor-parallel rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside a world of {self.world_size}")
+        # lab 12.1 begin: invert rank = (d * pp + s) * tp + t: two divmods
         d, rest = divmod(rank, self.pp * self.tp)
         s, t = divmod(rest, self.tp)
         return d, s, t
+        # lab 12.1 end
 
     def rank(self, d: int, s: int, t: int) -> int:
         """The world rank at coordinates (d, s, t)."""
@@ -65,6 +67,7 @@ class Layout:
     def group(self, rank: int, axis: str) -> list[int]:
         """The world ranks that share `rank`'s other two coordinates: its group along axis,
         in increasing order (so the group's rank i is coordinate i along the axis)."""
+        # lab 12.2 begin: fix rank's other two coordinates, slice self.grid along axis
         d, s, t = self.coords(rank)
         if axis == "tp":
             return self.grid[d, s, :].tolist()
@@ -72,6 +75,7 @@ class Layout:
             return self.grid[d, :, t].tolist()
         if axis == "dp":
             return self.grid[:, s, t].tolist()
+        # lab 12.2 end
         raise ValueError(f"axis={axis!r} is not one of {AXES}")
 
     def color(self, rank: int, axis: str) -> int:
@@ -109,7 +113,9 @@ def make_mesh(comm, layout: Layout) -> Mesh:
     Checks the layout before any communication, with the numbers; then checks what the
     splits returned, so a backend that orders a split's ranks otherwise fails here, loudly."""
     layout.check(comm.world_size)
+    # lab 12.3 begin: split comm once per axis, in the order tp, pp, dp, by the axis's color
     subs = {axis: comm.split(layout.color(comm.rank, axis)) for axis in ("tp", "pp", "dp")}
+    # lab 12.3 end
     for axis, coordinate in zip(AXES, layout.coords(comm.rank), strict=True):
         sub, size = subs[axis], getattr(layout, axis)
         if (sub.rank, sub.world_size) != (coordinate, size):

@@ -1,4 +1,10 @@
-"""The dp x pp x tp rank grid: pure layout maths, and the sub-communicators it splits."""
+"""The dp x pp x tp rank grid: pure layout maths, and the sub-communicators it splits.
+
+The module under test comes from impl("mesh"), inside each test (inside the rank function for
+processes), so `make lab L=12` grades a learner's lessons/12_3d_parallel/lab.py with these
+tests. Expected groups are written out by hand or from the grid's definition, never from the
+module's own group().
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,28 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist.mesh import Layout, make_mesh
-from minidist.testing import run_threads
+from minidist.testing import impl, run_ranks, run_threads, verdict
 
-layouts = st.builds(Layout, st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
+sizes = st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
+
+
+def expected_group(dp: int, pp: int, tp: int, rank: int, axis: str) -> list[int]:
+    """The ranks that agree with rank on the other two coordinates, by brute force from
+    rank = (d * pp + s) * tp + t (not from the module's own group)."""
+
+    def coords(r: int) -> dict:
+        return {"dp": r // (pp * tp), "pp": r // tp % pp, "tp": r % tp}
+
+    mine = coords(rank)
+    others = [a for a in ("dp", "pp", "tp") if a != axis]
+    return [r for r in range(dp * pp * tp) if all(coords(r)[a] == mine[a] for a in others)]
 
 
 @pytest.mark.pure
 @settings(max_examples=200, deadline=None)
-@given(layouts)
-def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(layout):
+@given(sizes)
+def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(dp_pp_tp):
+    layout = impl("mesh").Layout(*dp_pp_tp)
     grid = layout.grid
     for rank in range(layout.world_size):
         d, s, t = layout.coords(rank)
@@ -25,7 +43,7 @@ def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(layout):
         assert tp == list(range(tp[0], tp[0] + layout.tp)), "tp ranks must be adjacent"
         for axis, coordinate in zip(("dp", "pp", "tp"), (d, s, t), strict=True):
             group = layout.group(rank, axis)
-            assert len(group) == getattr(layout, axis)
+            assert group == expected_group(*dp_pp_tp, rank, axis), (rank, axis)
             assert group.index(rank) == coordinate  # the group's rank i is coordinate i
             # the groups along one axis partition the world: same color <=> same group
             same = [r for r in range(layout.world_size) if layout.color(r, axis) == group[0]]
@@ -34,7 +52,8 @@ def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(layout):
 
 @pytest.mark.pure
 def test_the_picture_in_the_docstring():
-    layout = Layout(2, 2, 2)
+    layout = impl("mesh").Layout(2, 2, 2)
+    assert [layout.coords(r) for r in (0, 3, 5, 6)] == [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 0)]
     assert [layout.group(r, "tp") for r in (0, 2, 4, 6)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [layout.group(r, "pp") for r in (0, 1, 4, 5)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert [layout.group(r, "dp") for r in (0, 1, 2, 3)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -42,6 +61,7 @@ def test_the_picture_in_the_docstring():
 
 @pytest.mark.pure
 def test_bad_layouts_are_refused_naming_every_factor():
+    Layout = impl("mesh").Layout
     with pytest.raises(ValueError, match=r"world_size=6 != dp=2 \* pp=2 \* tp=2 = 8"):
         Layout(2, 2, 2).check(6)
     with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
@@ -52,10 +72,11 @@ def test_bad_layouts_are_refused_naming_every_factor():
         Layout(2, 2, 2).group(0, "ep")
 
 
-def mesh_groups(comm, layout: Layout) -> dict:
-    """Each sub-comm's members, learned by all-gathering world ranks over it."""
-    mesh = make_mesh(comm, layout)
-    found = {}
+def mesh_groups(comm, dp_pp_tp: tuple[int, int, int]) -> dict:
+    """Each sub-comm's members, learned by all-gathering world ranks over it, and the mesh's
+    coordinates of this rank."""
+    mesh = impl("mesh").make_mesh(comm, impl("mesh").Layout(*dp_pp_tp))
+    found = {"coords": mesh.coords}
     for axis in ("dp", "pp", "tp"):
         sub = getattr(mesh, f"{axis}_comm")
         members = torch.empty(sub.world_size, dtype=torch.int64)
@@ -64,20 +85,53 @@ def mesh_groups(comm, layout: Layout) -> dict:
     return found
 
 
+def mesh_problems(found: dict, dp_pp_tp: tuple[int, int, int], rank: int) -> list[str]:
+    """What in one rank's mesh_groups differs from the grid's definition."""
+    dp, pp, tp = dp_pp_tp
+    want = {axis: expected_group(dp, pp, tp, rank, axis) for axis in ("dp", "pp", "tp")}
+    want["coords"] = (rank // (pp * tp), rank // tp % pp, rank % tp)
+    return [f"rank {rank} of {dp_pp_tp}: {k} {found[k]} != {v}" for k, v in want.items()
+            if found[k] != v]  # fmt: skip
+
+
 @pytest.mark.threads
-@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (2, 2, 2), (3, 1, 2), (1, 4, 2), (2, 3, 1)])
-def test_sub_communicators_hold_the_layouts_groups(dp, pp, tp):
-    layout = Layout(dp, pp, tp)
-    results = run_threads(mesh_groups, layout.world_size, layout)
-    for rank, found in enumerate(results):
-        for axis in ("dp", "pp", "tp"):
-            assert found[axis] == layout.group(rank, axis), (rank, axis)
+@pytest.mark.parametrize("dp_pp_tp", [(1, 1, 1), (2, 2, 2), (3, 1, 2), (1, 4, 2), (2, 3, 1)])
+def test_sub_communicators_hold_the_layouts_groups(dp_pp_tp):
+    dp, pp, tp = dp_pp_tp
+    results = run_threads(mesh_groups, dp * pp * tp, dp_pp_tp)
+    problems = [
+        p for rank, found in enumerate(results) for p in mesh_problems(found, dp_pp_tp, rank)
+    ]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.threads
 def test_make_mesh_refuses_a_wrong_world_before_communicating():
     def wrong(comm):
         with pytest.raises(ValueError, match=r"world_size=3 != dp=2 \* pp=1 \* tp=2 = 4"):
-            make_mesh(comm, Layout(2, 1, 2))
+            impl("mesh").make_mesh(comm, impl("mesh").Layout(2, 1, 2))
 
     run_threads(wrong, 3)
+
+
+def meshes_in_ranks(comm) -> int:
+    """Every layout of every sub-world of 1..world ranks (sub-worlds by comm.split), in one
+    launch: 13 layouts at world 4, few enough to try them all instead of drawing some. One
+    verdict over the world per layout, so every rank fails together, naming the culprits."""
+    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
+    tried = 0
+    for k, sub in subs.items():
+        for dp_pp_tp in [(k // (pp * tp), pp, tp) for pp in range(1, k + 1)
+                         for tp in range(1, k + 1) if k % (pp * tp) == 0]:  # fmt: skip
+            problems = []
+            if comm.rank < k:
+                problems = mesh_problems(mesh_groups(sub, dp_pp_tp), dp_pp_tp, comm.rank)
+            verdict(comm, not problems, "; ".join(problems))
+            tried += 1
+    return tried
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_sub_communicators_hold_the_layouts_groups_processes(backend):
+    assert run_ranks(meshes_in_ranks, 4, backend, timeout=120) == [13] * 4
