@@ -68,10 +68,16 @@ def element_numbers(model: gpt.GPTConfig, i: int, tp_comm) -> tuple[torch.Tensor
 
 
 def _whole_flat(model: gpt.GPTConfig, i: int, layer: nn.Module, tp_comm) -> torch.Tensor:
-    """Layer i's whole parameters, flat (float64), from every tp rank's slices: all_gather
-    the values with their element numbers."""
+    """Layer i's whole parameters, flat (float64), from every tp rank's slices."""
+    return whole_flat(model, i, list(layer.parameters()), tp_comm)
+
+
+def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm) -> torch.Tensor:
+    """Layer i's whole tensors, flat (float64), from every tp rank's slices: tensors are this
+    rank's, one per parameter of its cut of layer i, in order (values, or an optimizer's
+    state of the same shapes). An all_gather of the values with their element numbers."""
     where, n = element_numbers(model, i, tp_comm)
-    values = torch.cat([q.detach().double().reshape(-1) for q in layer.parameters()])
+    values = torch.cat([t.detach().double().reshape(-1) for t in tensors])
     both = torch.empty(tp_comm.world_size, 2, len(values), dtype=torch.float64)
     tp_comm.all_gather(both, torch.stack([where.double(), values]))
     flat = torch.empty(n, dtype=torch.float64)
@@ -126,15 +132,18 @@ TOLERANCES = {"float64": (1e-12, 1e-10), "float32": (1e-5, 2e-3), "amp": (1e-2, 
 def differences(result: dict, reference: dict, config: TrainConfig | None = None) -> dict:
     """The largest relative difference of the loss curves and of the final parameters (each
     layer's largest difference over its largest value); with config, "ok": within TOLERANCES."""
+    first = result.get("first_step", 0)  # a resumed run: its steps only
     a = torch.tensor(result["losses"], dtype=torch.float64)
-    b = torch.tensor(reference["losses"], dtype=torch.float64)
+    b = torch.tensor(reference["losses"][first : first + len(a)], dtype=torch.float64)
     loss = ((a - b).abs() / b.abs().clamp_min(1e-30)).max().item()
     params = max(
         ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
         for x, y in zip(result["parameters"], reference["parameters"], strict=True)
     )
     found = {"loss": loss, "parameters": params}
-    found["same_skipped_steps"] = result["skipped"] == reference["skipped"]
+    found["same_skipped_steps"] = result["skipped"] == [
+        k for k in reference["skipped"] if k >= first
+    ]
     if config is not None:
         loss_tol, param_tol = TOLERANCES["amp" if config.amp != "fp32" else config.dtype]
         found["tolerance"] = {"loss": loss_tol, "parameters": param_tol}

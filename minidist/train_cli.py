@@ -27,6 +27,7 @@ from dataclasses import asdict, fields
 
 import torch
 
+from minidist import resume
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.launch import BACKENDS, init, launch, run_threads
@@ -62,6 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="compare with one process at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default="out/train", help="folder for pictures and the trace")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints DIR/step-NNNNNNN.pt")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
+    p.add_argument("--resume", metavar="PATH", help="a checkpoint, or a folder: its newest")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="stop after this step (saving, with --save), e.g. before a time limit",
+    )
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
@@ -82,7 +93,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     """The flags again, for the ranks: every value explicit."""
     argv = []
     for key, value in vars(args).items():
-        if key in ("backend", "func", "command"):
+        if key in ("backend", "func", "command") or value is None:
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -96,6 +107,8 @@ def main(args: argparse.Namespace) -> int:
     """The parent: refuse a bad run before starting anything, then start the ranks."""
     config = config_from(args)
     problems = config.problems()
+    if args.check and args.stop_at:
+        problems.append("--check compares whole runs: it cannot be used with --stop-at")
     if problems:
         print("minidist train: this run cannot start:\n  " + "\n  ".join(problems),
               file=sys.stderr)  # fmt: skip
@@ -128,25 +141,35 @@ def rank_main(argv: list[str]) -> None:
         return ObservedComm(ObservedComm(sub, counters[axis]), tracer)
 
     job = build_job(comm, config, tracer=tracer, observe=observe)
+    if args.resume:  # any layout loads any checkpoint of this model: each rank cuts its slices
+        path, payload = resume.load_any(args.resume)
+        resume.restore(job, payload)
     for counter in counters.values():
         counter.reset()  # count the steps, not the set-up
-    bar = _progress(config, comm.rank == 0 and not args.json)
-    losses, skipped, seconds = [], [], 0.0
-    for step in range(config.steps):
+    bar = _progress(config, comm.rank == 0 and not args.json, job.step)
+    first, losses, skipped, seconds = job.step, [], [], 0.0
+    for step in range(first, config.steps):
         start = _now()
         loss, stepped = train_step(job)
         seconds += _now() - start
         losses.append(loss)
         skipped += [] if stepped else [step]
+        last = job.step in (config.steps, args.stop_at)
+        if args.save and (last or (args.save_every and job.step % args.save_every == 0)):
+            resume.save(job, resume.step_path(args.save, job.step))
         if bar is not None:
-            tokens = (step + 1) * config.batch * config.model.seq_len / seconds
+            tokens = (step + 1 - first) * config.batch * config.model.seq_len / seconds
             bar.set_postfix_str(f"loss {loss:.4f}  {tokens:,.0f} tokens/s")
             bar.update()
+        if job.step == args.stop_at:
+            break
     if bar is not None:
         bar.close()
     tracer.rank = comm.rank  # the sub-comms renamed it
-    result = {"losses": losses, "skipped": skipped, "seconds": seconds}
-    report = _gather_report(job, counters, tracer)  # first: what follows sends bytes too
+    result = {"losses": losses, "skipped": skipped, "seconds": seconds, "first_step": first}
+    report = _gather_report(
+        job, counters, tracer, len(losses)
+    )  # first: what follows sends bytes too
     result["parameters"] = whole_parameters(job)
     if comm.rank == 0:
         _finish(args, config, result, report)
@@ -156,12 +179,12 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _progress(config: TrainConfig, show: bool):
+def _progress(config: TrainConfig, show: bool, first: int):
     if not show:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=config.steps, desc="train", unit="step", file=sys.stderr)
+    return tqdm(total=config.steps, initial=first, desc="train", unit="step", file=sys.stderr)
 
 
 # ---- the report: gathered from every rank, printed and drawn by rank 0 ------------------------
@@ -169,10 +192,10 @@ def _progress(config: TrainConfig, show: bool):
 COLUMNS = ("params", "optimizer", "activations", "rss", "dp", "pp", "tp", "dp_f", "pp_f", "tp_f")
 
 
-def _gather_report(job: Job, counters: dict, tracer: Tracer) -> dict:
+def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict:
     """Every rank's numbers on every rank (one all_gather over the world), the measured
     timeline of replica 0's pipeline (collective over pp), the trace events (to rank 0)."""
-    steps, world = job.config.steps, job.mesh.world
+    world = job.mesh.world
     sent = [sum(n for op, n in counters[a].nbytes.items() if op != "recv") / steps for a in AXES]
     formula = [-1 if v is None else v for v in predicted_nbytes(job).values()]
     held = _held_nbytes(job)
@@ -223,12 +246,13 @@ def _gather_events(world, events: list[dict]) -> dict[int, list[dict]] | None:
 def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
     """Rank 0: the check, the pictures and trace, the tables (or one JSON object)."""
     os.makedirs(args.out, exist_ok=True)
-    tokens = config.steps * config.batch * config.model.seq_len
+    tokens = len(result["losses"]) * config.batch * config.model.seq_len
     p, m, v = config.pp, config.microbatches, config.chunks
     bubble = bubble_fraction(report["timeline"]) if p > 1 else 0.0
     summary = {
         "config": asdict(config),
         "losses": result["losses"],
+        "first_step": result["first_step"],
         "skipped": result["skipped"],
         "seconds": result["seconds"],
         "tokens_per_second": tokens / result["seconds"],
@@ -257,9 +281,11 @@ def _draw_losses(path: str, result: dict, reference: dict | None) -> None:
 
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
-    ax.plot(result["losses"], label="dp x pp x tp")
+    first = result["first_step"]
+    steps = range(first, first + len(result["losses"]))
+    ax.plot(steps, result["losses"], label="dp x pp x tp")
     if reference is not None:
-        ax.plot(reference["losses"], "--", label="one process")
+        ax.plot(steps, reference["losses"][first : first + len(steps)], "--", label="one process")
     ax.set(xlabel="step", ylabel="loss (whole batch)", title="training loss")
     ax.legend()
     fig.tight_layout()
@@ -271,11 +297,14 @@ def _tables(s: dict) -> str:
     c = s["config"]
     kib = lambda x: f"{x / 1024:10.1f}" if x >= 0 else f"{'-':>10}"  # noqa: E731
     mib = lambda x: f"{x / 2**20:8.2f}"  # noqa: E731
-    lines = [f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} in {c['steps']} steps, "
+    first, n = s["first_step"], len(s["losses"])
+    lines = [f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} in steps {first + 1}.."
+             f"{first + n} of {c['steps']}, "
              f"{s['seconds']:.1f} s, {s['tokens_per_second']:,.0f} tokens/s"]  # fmt: skip
     if s["skipped"]:
         lines.append(f"skipped steps (inf/nan): {s['skipped']}")
-    lines += ["", "per rank: MiB held, KiB sent per step (payload; formula beside)",
+    lines += ["", "per rank: MiB held; KiB handed to each comm per step (the collectives' inputs "
+              "and the sends), formula beside; '-': a dimension of size 1 sends nothing",
               f"{'rank':>4} {'d,s,t':>6} {'params':>8} {'optim':>8} {'activ.':>8} {'rss':>8}"
               + "".join(f" {a:>10} {a + ' f.':>10}" for a in AXES)]  # fmt: skip
     layout = TrainConfig(dp=c["dp"], pp=c["pp"], tp=c["tp"]).layout
@@ -283,7 +312,8 @@ def _tables(s: dict) -> str:
         d, st, t = layout.coords(rank)
         lines.append(f"{rank:>4} {f'{d},{st},{t}':>6} {mib(r['params'])} {mib(r['optimizer'])} "
                      f"{mib(r['activations'])} {mib(r['rss'])}"
-                     + "".join(f" {kib(r[a])} {kib(r[a + '_f'])}" for a in AXES))  # fmt: skip
+                     + "".join(f" {kib(r[a])} {kib(r[a + '_f'])}" if c[a] > 1 else
+                               f" {'-':>10} {'-':>10}" for a in AXES))  # fmt: skip
     lines += ["", f"pipeline bubble (last step, replica 0): {s['bubble']:.3f} measured, "
               f"{s['bubble_formula']:.3f} formula ({c['schedule']}, pp={c['pp']}, "
               f"m={c['microbatches']})"]  # fmt: skip

@@ -1,0 +1,264 @@
+"""Checkpoints of the main job: save, resume exactly, and load into another dp x pp x tp layout.
+
+Equals: a run saved at step k and resumed equals the uninterrupted run: the same losses and
+parameters (bitwise in the same layout; in another layout, as any two layouts agree: float64
+1e-12). The batches depend only on (seed, step), so the data needs no state.
+Communication (save, once): per layer, an all_gather over tp of the values and the optimizer
+state with their element numbers (reference.whole_flat); each stage of replica 0 sends its
+layers to stage 0 (pp); ZeRO first consolidates over dp (zero3.consolidate). Load: none, but
+ZeRO's load_state_dict (rank 0 of dp sends each rank its pieces).
+Memory: the whole model and its optimizer state, in float64, on world rank 0 while saving.
+Lesson: lessons/12_3d_parallel/.   Run: minidist train ... --save DIR, then --resume DIR
+
+What a file holds: the layout-free state (each layer's whole parameters, AdamW's exp_avg and
+exp_avg_sq, flat in float64, which holds float32 exactly; AdamW's step; the loss scaler's and
+the learning-rate schedule's state; the step; the config). Each rank takes its own slices when
+it loads (element_numbers), so any layout can load any checkpoint of the same model.
+On disk: a header line with a SHA-256 of the rest, then torch.save's bytes. Written to a
+temporary file in the same folder, flushed to disk, then renamed over the final name: a crash
+mid-save leaves the previous checkpoint whole, and a damaged file is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from dataclasses import asdict
+
+import torch
+
+from minidist import model as gpt
+from minidist.reference import element_numbers, whole_flat
+from minidist.train import Job
+
+MAGIC = b"minidist-checkpoint 1 sha256="
+KEYS = ("value", "exp_avg", "exp_avg_sq")  # per parameter element, in this order
+SAME_RUN = ("steps", "batch", "lr", "warmup", "seed")  # what a resumed run must share with it
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: damaged, truncated, or for another model."""
+
+
+def step_path(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step:07d}.pt")
+
+
+def checkpoints(folder: str) -> list[str]:
+    """The checkpoint files in folder, oldest step first."""
+    if not os.path.isdir(folder):
+        return []
+    names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"step-\d{7}\.pt", n))
+    return [os.path.join(folder, n) for n in names]
+
+
+# ---- the state of one rank, by parameter name of the replicas' module ------------------------
+
+
+def _local_state(job: Job) -> tuple[dict, float, dict | None] | None:
+    """({name: {key: tensor}}, AdamW's step, scaler state) of this rank's tp slice, on rank 0
+    of dp (None elsewhere): every replica holds the same (ZeRO: consolidated first)."""
+    r = job.replicas
+    if r.zero is not None:
+        state = r.zero.state_dict(dst=0)  # collective over dp
+        if state is None:
+            return None
+        optim = state["optimizer"]
+        steps = [float(v["step"]) for v in optim.values() if "step" in v] or [0.0]
+        out = {n: {"value": state["model"][n], **{k: optim.get(n, {}).get(k) for k in KEYS[1:]}}
+               for n in _trainable_names(job)}  # fmt: skip
+        return out, max(steps), state.get("scaler")
+    if job.mesh.coords[0] != 0:
+        return None
+    names = _trainable_names(job)
+    params = [q for q in r.module.parameters() if q.requires_grad]
+    weights = r.mp.master if r.mp is not None else params  # what the optimizer steps
+    inner = r.mp.optimizer if r.mp is not None else r.optimizer
+    out, steps = {}, [0.0]
+    for name, w in zip(names, weights, strict=True):
+        st = inner.state.get(w, {})
+        out[name] = {"value": w.detach(), **{k: st.get(k) for k in KEYS[1:]}}
+        steps += [float(st["step"])] if "step" in st else []
+    scaler = r.scaler.state_dict() if r.mp is not None else None
+    return out, max(steps), scaler
+
+
+def _trainable_names(job: Job) -> list[str]:
+    return [n for n, q in job.replicas.module.named_parameters() if q.requires_grad]
+
+
+def _layers_with_names(job: Job):
+    """(layer number, the unwrapped layer, its parameters' names in the replicas' module)."""
+    ids = iter(sum(job.layer_ids, []))
+    for c, chunk in enumerate(job.chunks):
+        for j, layer in enumerate(chunk):
+            inner = gpt.unwrap(layer)
+            prefix = f"{c}.{j}." + ("block." if inner is not layer else "")
+            yield next(ids), inner, [prefix + n for n, _ in inner.named_parameters()]
+
+
+# ---- save ------------------------------------------------------------------------------------
+
+
+def save(job: Job, path: str) -> None:
+    """Write job's state to path (collective: every rank calls; world rank 0 writes)."""
+    mesh, config = job.mesh, job.config
+    local = _local_state(job)
+    if local is None:
+        return  # not replica 0: nothing to contribute
+    state, adam_step, scaler = local
+    mine = {}
+    for i, layer, names in _layers_with_names(job):
+        rows = []
+        for key in KEYS:
+            tensors = [
+                _or_zeros(state[n][key], q) for n, q in zip(names, layer.parameters(), strict=True)
+            ]
+            rows.append(whole_flat(config.model, i, tensors, mesh.tp_comm))  # over tp
+        mine[i] = torch.stack(rows)  # (3, n_i)
+    _, s, t = mesh.coords
+    if t != 0:
+        return
+    if s != 0:
+        mesh.pp_comm.send(torch.cat([mine[i].reshape(-1) for i in sorted(mine)]), 0)
+        return
+    for other in range(1, config.pp):
+        ids = sorted(sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), []))
+        sizes = [len(KEYS) * _numel(config.model, i) for i in ids]
+        flat = mesh.pp_comm.recv(torch.empty(sum(sizes), dtype=torch.float64), other)
+        mine.update({i: x.view(len(KEYS), -1) for i, x in zip(ids, flat.split(sizes), strict=True)})
+    payload = {
+        "config": asdict(config), "step": job.step, "adam_step": adam_step,
+        "scaler": scaler, "schedule": job.schedule.state_dict(),
+        "layers": {i: dict(zip(KEYS, mine[i], strict=True)) for i in sorted(mine)},
+    }  # fmt: skip
+    _write_atomically(path, payload)
+
+
+def _or_zeros(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Optimizer state not made yet (before the first step) is zeros, as AdamW starts it."""
+    return torch.zeros_like(like, dtype=torch.float64) if t is None else t
+
+
+def _numel(model: gpt.GPTConfig, i: int) -> int:
+    return sum(q.numel() for q in gpt.whole_layer(model, i, torch.float64).parameters())
+
+
+def _write_atomically(path: str, payload: dict) -> None:
+    """Header + bytes into a temporary file beside path, fsync, rename over path."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    header = MAGIC + hashlib.sha256(data).hexdigest().encode() + f" {len(data)}\n".encode()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header + data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)  # atomic: readers see the old file or the new, never half
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+
+def load(path: str) -> dict:
+    """The payload of a checkpoint file, verified; a CheckpointError naming the file if it is
+    missing, truncated or damaged."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    head, _, data = raw.partition(b"\n")
+    if not head.startswith(MAGIC):
+        raise CheckpointError(f"{path}: not a minidist checkpoint (no header)")
+    digest, _, size = head[len(MAGIC) :].decode(errors="replace").partition(" ")
+    if not size.isdigit() or len(data) != int(size):
+        raise CheckpointError(f"{path}: truncated: {len(data)} bytes of {size or '?'}")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"{path}: damaged: its SHA-256 does not match its header")
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def load_latest(folder: str) -> tuple[str, dict]:
+    """(path, payload) of the newest checkpoint in folder; if it is damaged, the error also
+    names the newest intact one, to resume from explicitly."""
+    found = checkpoints(folder)
+    if not found:
+        raise CheckpointError(f"{folder}: no checkpoint (step-NNNNNNN.pt) in it")
+    try:
+        return found[-1], load(found[-1])
+    except CheckpointError as e:
+        for older in reversed(found[:-1]):
+            try:
+                load(older)
+            except CheckpointError:
+                continue
+            raise CheckpointError(f"{e}; the newest intact one is {older}") from e
+        raise
+
+
+def load_any(path: str) -> tuple[str, dict]:
+    """(path, payload): path a checkpoint file, or a folder (its newest checkpoint)."""
+    return load_latest(path) if os.path.isdir(path) else (path, load(path))
+
+
+def restore(job: Job, payload: dict) -> None:
+    """Put a loaded state into a freshly built job of any layout (the same model): every rank
+    takes its slices; collective over dp for ZeRO."""
+    saved, now = payload["config"], asdict(job.config)
+    if saved["model"] != now["model"]:
+        raise CheckpointError(f"the checkpoint is of model {saved['model']}, this run's is "
+                              f"{now['model']}")  # fmt: skip
+    # the layout may change (that is re-sharding); the run it continues may not
+    changed = [f"{k}={saved[k]!r} there, {now[k]!r} here" for k in SAME_RUN if saved[k] != now[k]]
+    if changed:
+        raise CheckpointError("the checkpoint continues another run: " + "; ".join(changed))
+    mine: dict[str, dict[str, torch.Tensor]] = {}
+    for i, layer, names in _layers_with_names(job):
+        where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
+        sizes = [q.numel() for q in layer.parameters()]
+        for key in KEYS:
+            cut = payload["layers"][i][key][where].split(sizes)
+            for name, q, x in zip(names, layer.parameters(), cut, strict=True):
+                mine.setdefault(name, {})[key] = x.view(q.shape)
+    _put(job, mine, payload)
+    job.schedule.load_state_dict(payload["schedule"])
+    job.step = payload["step"]
+
+
+def _put(job: Job, mine: dict, payload: dict) -> None:
+    r, step = job.replicas, torch.tensor(payload["adam_step"], dtype=torch.float32)
+    names = _trainable_names(job)
+    if r.zero is not None:
+        dtype = job.config.precision.master  # the optimizer's state is in the masters' dtype
+        moments = {n: {k: mine[n][k].to(dtype) for k in KEYS[1:]} for n in names}
+        state = {
+            "model": {n: mine[n]["value"] for n in names},
+            "elementwise": list(KEYS[1:]),
+            "optimizer": {n: {"step": step.clone(), **moments[n]} for n in names},
+        }
+        if payload["scaler"] is not None:
+            state["scaler"] = payload["scaler"]
+        r.zero.load_state_dict(state, src=0)
+        return
+    params = [q for q in r.module.parameters() if q.requires_grad]
+    weights = r.mp.master if r.mp is not None else params
+    inner = r.mp.optimizer if r.mp is not None else r.optimizer
+    with torch.no_grad():
+        for name, q, w in zip(names, params, weights, strict=True):
+            w.copy_(mine[name]["value"])
+            q.copy_(w)  # mixed precision: the model holds the master rounded
+            if payload["adam_step"] > 0:
+                inner.state[w] = {"step": step.clone()} | {
+                    k: mine[name][k].to(w.dtype).clone() for k in KEYS[1:]
+                }
+    if r.mp is not None and payload["scaler"] is not None:
+        r.scaler.load_state_dict(payload["scaler"])
