@@ -114,6 +114,13 @@ LABS = {
         "grade": ["tests/test_lr.py", "-m", "not processes"],
         "probe": ["tests/test_lr.py", "-m", "not processes"],
     },
+    "12": {
+        "folder": "lessons/12_3d_parallel",
+        "module": "minidist/mesh.py",
+        "impl": "mesh",
+        "grade": ["tests/test_mesh.py"],
+        "probe": ["tests/test_mesh.py", "-m", "not processes"],
+    },
 }
 
 BEGIN = re.compile(r"^(?P<indent>[ ]*)# lab (?P<id>\d\d\.\d+) begin: (?P<hint>\S.*?)\s*$")
