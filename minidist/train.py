@@ -279,7 +279,7 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     per chunk and step, 8 for the loss's broadcast. dp: the all-reduce of Psi_s + P_s
     (gradients and "used" flags) in the master dtype (data parallel; mixed precision: Psi_s
     in the reduce dtype and no flags); ZeRO-1 reduce-scatters the padded Psi_s, all-gathers
-    the shard in the compute dtype, all-reduces the P_s flags; 8 for the loss."""
+    the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss."""
     c, (_, s, _) = job.config, job.mesh.coords
     e = torch.empty(0, dtype=c.precision.compute).element_size()
     x = torch.empty(0, dtype=torch.promote_types(c.precision.compute, torch.float32))
@@ -300,7 +300,7 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
         dp = 8 + (numel * f if c.amp != "fp32" else (numel + len(params)) * f)
     elif c.zero == 1:
         shard = -(-numel // c.dp)
-        dp = 8 + shard * c.dp * f + shard * e + len(params) * e
+        dp = 8 + shard * c.dp * f + shard * e + len(params) * f
     return {"dp": dp, "pp": pp, "tp": tp * m}
 
 

@@ -221,6 +221,7 @@ def counted_bytes(comm, config: TrainConfig) -> tuple[dict, dict]:
 @pytest.mark.threads
 @pytest.mark.parametrize(
     "options", [dict(), dict(zero=1), dict(checkpointing=True), dict(dtype="float64"),
+                dict(zero=1, amp="bf16"), dict(amp="bf16"),
                 dict(schedule="interleaved", chunks=2, microbatches=4, pp=2, dp=1, tp=4)],
 )  # fmt: skip
 def test_bytes_per_dimension_equal_the_formulas(options):
