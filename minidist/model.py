@@ -165,17 +165,18 @@ def stage_layer_ids(config: GPTConfig, pp: int, n_chunks: int, stage: int) -> li
 
 
 def stage_chunks(config: GPTConfig, tp_comm, layer_ids: list[list[int]], dtype=torch.float32,
-                 recompute: bool = False) -> list[nn.Sequential]:  # fmt: skip
+                 recompute: bool = False, device=None) -> list[nn.Sequential]:  # fmt: skip
     """This rank's chunks: each an nn.Sequential of its layers cut over tp_comm. Only these
     layers are ever built, whole and then sliced (a larger model would draw the slices alone).
-    recompute: every block checkpointed (its activations recomputed in backward)."""
+    recompute: every block checkpointed (its activations recomputed in backward). device:
+    where the chunks go (built on the CPU, from the seed, then moved)."""
     chunks = []
     for ids in layer_ids:
         layers = [parallel_layer(whole_layer(config, i, dtype), tp_comm) for i in ids]
         if recompute:
             blocks = (ParallelTransformerBlock,)
             layers = [Recompute(x) if isinstance(x, blocks) else x for x in layers]
-        chunks.append(nn.Sequential(*layers))
+        chunks.append(nn.Sequential(*layers).to(device or "cpu"))
     return chunks
 
 

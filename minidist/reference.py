@@ -37,14 +37,14 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
     if d != 0 or t != 0:
         return None
     if s != 0:
-        mesh.pp_comm.send(torch.cat(mine), 0)
+        mesh.pp_comm.send(torch.cat(mine).to(job.device), 0)
         return None
     found = dict(zip(sum(job.layer_ids, []), mine, strict=True))
     for other in range(1, config.pp):
         ids = sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), [])
         sizes = [_numel(gpt.whole_layer(config.model, i, torch.float64)) for i in ids]
-        flat = torch.empty(sum(sizes), dtype=torch.float64)
-        mesh.pp_comm.recv(flat, other)
+        flat = torch.empty(sum(sizes), dtype=torch.float64, device=job.device)
+        flat = mesh.pp_comm.recv(flat, other).cpu()
         found.update(zip(ids, flat.split(sizes), strict=True))
     return [found[i] for i in range(config.model.n_layers + 2)]
 
@@ -78,9 +78,10 @@ def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm) -> torch.Te
     state of the same shapes). An all_gather of the values with their element numbers."""
     where, n = element_numbers(model, i, tp_comm)
     values = torch.cat([t.detach().double().reshape(-1) for t in tensors])
-    both = torch.empty(tp_comm.world_size, 2, len(values), dtype=torch.float64)
-    tp_comm.all_gather(both, torch.stack([where.double(), values]))
-    flat = torch.empty(n, dtype=torch.float64)
+    both = torch.empty(tp_comm.world_size, 2, len(values), dtype=torch.float64,
+                       device=values.device)  # fmt: skip
+    tp_comm.all_gather(both, torch.stack([where.to(values.device).double(), values]))
+    both, flat = both.cpu(), torch.empty(n, dtype=torch.float64)
     flat[both[:, 0].reshape(-1).long()] = both[:, 1].reshape(-1)  # replicated ones: equal
     return flat
 

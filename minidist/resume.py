@@ -122,12 +122,13 @@ def save(job: Job, path: str) -> None:
     if t != 0:
         return
     if s != 0:
-        mesh.pp_comm.send(torch.cat([mine[i].reshape(-1) for i in sorted(mine)]), 0)
+        mesh.pp_comm.send(torch.cat([mine[i].reshape(-1) for i in sorted(mine)]).to(job.device), 0)
         return
     for other in range(1, config.pp):
         ids = sorted(sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), []))
         sizes = [len(KEYS) * _numel(config.model, i) for i in ids]
-        flat = mesh.pp_comm.recv(torch.empty(sum(sizes), dtype=torch.float64), other)
+        flat = torch.empty(sum(sizes), dtype=torch.float64, device=job.device)
+        flat = mesh.pp_comm.recv(flat, other).cpu()
         mine.update({i: x.view(len(KEYS), -1) for i, x in zip(ids, flat.split(sizes), strict=True)})
     payload = {
         "config": asdict(config), "step": job.step, "adam_step": adam_step,
@@ -139,7 +140,7 @@ def save(job: Job, path: str) -> None:
 
 def _or_zeros(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """Optimizer state not made yet (before the first step) is zeros, as AdamW starts it."""
-    return torch.zeros_like(like, dtype=torch.float64) if t is None else t
+    return torch.zeros_like(like, dtype=torch.float64) if t is None else t.to(like.device)
 
 
 def _numel(model: gpt.GPTConfig, i: int) -> int:
@@ -258,7 +259,7 @@ def _put(job: Job, mine: dict, payload: dict) -> None:
             q.copy_(w)  # mixed precision: the model holds the master rounded
             if payload["adam_step"] > 0:
                 inner.state[w] = {"step": step.clone()} | {
-                    k: mine[name][k].to(w.dtype).clone() for k in KEYS[1:]
+                    k: mine[name][k].to(w.device, w.dtype) for k in KEYS[1:]
                 }
     if r.mp is not None and payload["scaler"] is not None:
         r.scaler.load_state_dict(payload["scaler"])

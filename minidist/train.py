@@ -217,12 +217,16 @@ class Job:
     program: list
     schedule: WarmupDecay
     data: torch.Tensor
+    device: torch.device
     step: int = 0
 
 
-def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None) -> Job:
+def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, device=None) -> Job:
     """Steps 1-4 on this rank (collective: every rank of comm calls it). observe(axis, comm),
-    when given, wraps each sub-comm (e.g. in an ObservedComm, to count its bytes)."""
+    when given, wraps each sub-comm (e.g. in an ObservedComm, to count its bytes). device:
+    where the model and its batches live; default the comm's (NCCL: this rank's GPU), else
+    the CPU."""
+    device = torch.device(device or getattr(comm, "device", "cpu"))
     config.check(comm.world_size)
     mesh = make_mesh(comm, config.layout)  # 1
     if observe is not None:
@@ -231,7 +235,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None) -
     _, s, _ = mesh.coords
     layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
     chunks = gpt.stage_chunks(config.model, mesh.tp_comm, layer_ids, DTYPES[config.dtype],
-                              recompute=config.checkpointing)  # fmt: skip
+                              recompute=config.checkpointing, device=device)  # fmt: skip
     replicas = Replicas(chunks, mesh, config)  # 3
     tp_comm = mesh.tp_comm
 
@@ -245,7 +249,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None) -
     program = build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s]
     schedule = WarmupDecay(replicas.optimizer, config.warmup, config.steps)
     data = load_bytes() if data is None else data
-    return Job(config, mesh, layer_ids, chunks, replicas, stage, program, schedule, data)
+    return Job(config, mesh, layer_ids, chunks, replicas, stage, program, schedule, data, device)
 
 
 def train_step(job: Job) -> tuple[float, bool]:
@@ -253,6 +257,7 @@ def train_step(job: Job) -> tuple[float, bool]:
     c, (d, s, _) = job.config, job.mesh.coords
     ids, targets = batch_at(job.data, job.step, c.batch, c.model.seq_len, c.seed)  # (B, T)
     ids, targets = dp_share(ids, d, c.dp), dp_share(targets, d, c.dp)  # (B/dp, T)
+    ids, targets = ids.to(job.device), targets.to(job.device)
     first, last = s == 0, s == c.pp - 1
     with job.replicas.accumulating():
         losses = job.stage.run(
@@ -264,7 +269,7 @@ def train_step(job: Job) -> tuple[float, bool]:
     stepped = job.replicas.step()
     job.schedule.step()
     job.step += 1
-    return whole_batch_loss(losses, job.mesh, scale), stepped
+    return whole_batch_loss(losses, job.mesh, scale, job.device), stepped
 
 
 def predicted_nbytes(job: Job) -> dict[str, int | None]:
@@ -304,11 +309,11 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     return {"dp": dp, "pp": pp, "tp": tp * m}
 
 
-def whole_batch_loss(losses: list[torch.Tensor], mesh: Mesh, scale: float) -> float:
+def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> float:
     """The mean over the whole batch, on every rank: the last stage's mean over microbatches,
     averaged over dp, then broadcast along the pipeline. Collectives: dp all_reduce, pp
     broadcast (one float64 each)."""
-    mean = torch.zeros(1, dtype=torch.float64)
+    mean = torch.zeros(1, dtype=torch.float64, device=device)
     if losses:  # the last stage
         mean += torch.stack(losses).double().mean() / scale
     mesh.dp_comm.all_reduce(mean, "sum")
@@ -316,10 +321,10 @@ def whole_batch_loss(losses: list[torch.Tensor], mesh: Mesh, scale: float) -> fl
     return mean.item() / mesh.layout.dp
 
 
-def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None):
+def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):
     """Build the job and train config.steps steps: (job, {"losses", "skipped", "seconds"}),
     the same losses on every rank. reference.whole_parameters(job) puts the model together."""
-    job = build_job(comm, config, data)
+    job = build_job(comm, config, data, device=device)
     losses, skipped, start = [], [], time.perf_counter()
     for step in range(config.steps):
         loss, stepped = train_step(job)

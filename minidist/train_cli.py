@@ -204,11 +204,13 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
     held = _held_nbytes(job)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
     mine = [held["params"], held["optimizer"], job.stage.memory.peak, rss, *sent, *formula]
-    every = torch.empty(world.world_size, len(mine), dtype=torch.float64)
-    world.all_gather(every, torch.tensor(mine, dtype=torch.float64))
+    every = torch.empty(world.world_size, len(mine), dtype=torch.float64, device=job.device)
+    world.all_gather(every, torch.tensor(mine, dtype=torch.float64, device=job.device))
+    every = every.cpu()
     rows = measured_timeline(job.stage)  # the last step's compute spans of this pipeline
-    return {"per_rank": [dict(zip(COLUMNS, r, strict=True)) for r in every.tolist()],
-            "timeline": rows, "events": _gather_events(world, tracer.events)}  # fmt: skip
+    per_rank = [dict(zip(COLUMNS, r, strict=True)) for r in every.tolist()]
+    events = _gather_events(world, tracer.events, job.device)
+    return {"per_rank": per_rank, "timeline": rows, "events": events}
 
 
 def _held_nbytes(job: Job) -> dict[str, int]:
@@ -231,18 +233,19 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
                 for t in tensors}.values())  # fmt: skip
 
 
-def _gather_events(world, events: list[dict]) -> dict[int, list[dict]] | None:
+def _gather_events(world, events: list[dict], device) -> dict[int, list[dict]] | None:
     """Every rank's trace events on rank 0 (None elsewhere): lengths, then JSON bytes."""
     mine = torch.frombuffer(bytearray(json.dumps(events).encode()), dtype=torch.uint8)
-    lengths = torch.empty(world.world_size, dtype=torch.int64)
-    world.all_gather(lengths, torch.tensor([len(mine)]))
+    mine = mine.to(device)  # NCCL moves device memory only
+    lengths = torch.empty(world.world_size, dtype=torch.int64, device=device)
+    world.all_gather(lengths, torch.tensor([len(mine)], device=device))
     if world.rank != 0:
         world.send(mine, 0)
         return None
     found = {0: events}
     for r in range(1, world.world_size):
-        buf = world.recv(torch.empty(int(lengths[r]), dtype=torch.uint8), r)
-        found[r] = json.loads(bytes(buf.tolist()).decode())
+        buf = world.recv(torch.empty(int(lengths[r]), dtype=torch.uint8, device=device), r)
+        found[r] = json.loads(bytes(buf.cpu().tolist()).decode())
     return found
 
 

@@ -61,16 +61,17 @@ def local_pairs(job, reference: dict) -> dict:
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
         for i, layer in zip(ids, layers, strict=True):
             where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
-            mine = torch.cat([q.detach().double().reshape(-1) for q in layer.parameters()])
+            mine = torch.cat([q.detach().double().cpu().reshape(-1) for q in layer.parameters()])
             pairs[f"layer {i} parameters"] = (mine, reference["parameters"][i][where])
     return pairs
 
 
-def train_matches_one_process(comm, config: TrainConfig) -> None:
-    """Train on every rank of comm; compare every rank's losses and parameters."""
+def train_matches_one_process(comm, config: TrainConfig, device=None) -> None:
+    """Train on every rank of comm (on device: default the comm's); compare every rank's
+    losses and parameters with one process on the CPU."""
     data = load_bytes()
     reference = train_whole(config, data)  # every rank computes it: the recipe
-    job, result = train(comm, config, data)
+    job, result = train(comm, config, data, device=device)
     context = f"rank {comm.rank} of {config}"
     losses = torch.tensor(result["losses"], dtype=torch.float64)
     expected = torch.tensor(reference["losses"], dtype=torch.float64)
@@ -271,3 +272,24 @@ def test_a_rank_killed_mid_step_ends_the_job_within_seconds(backend):
     # mpi: mpiexec SIGKILLs the other ranks the moment rank 2 dies; they vanish in the same
     # instant, so the launcher names one of them (mpiexec's own message gives the PID)
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+# ---- gpu ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_train_threads_with_cuda_tensors(zero):
+    """8 thread-ranks on one GPU: the model, batches and every message in device memory."""
+    config = TrainConfig(dp=2, pp=2, tp=2, zero=zero, microbatches=2, steps=2, batch=8,
+                         warmup=1, dtype="float64", model=TINY)  # fmt: skip
+    run_threads(train_matches_one_process, 8, config, "cuda", timeout=180)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="NCCL needs one GPU per rank (4)")
+def test_train_nccl():
+    config = TrainConfig(dp=2, pp=1, tp=2, zero=1, microbatches=2, steps=2, batch=8,
+                         warmup=1, dtype="float64", model=TINY)  # fmt: skip
+    run_ranks(train_matches_one_process, 4, "nccl", config, timeout=300)
