@@ -35,7 +35,7 @@ import time
 import traceback
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .comm.protocol import OPS, PeerFailed
@@ -56,6 +56,38 @@ RANK_SETTINGS = settings(
 def rank_settings(max_examples: int = 20) -> settings:
     """RANK_SETTINGS with a number of examples (hypothesis allows one settings decorator)."""
     return settings(RANK_SETTINGS, max_examples=max_examples)
+
+
+def subworlds(comm) -> dict:
+    """{k: the comm of ranks 0..k-1} for k = 1..world_size (ranks >= k get a comm of the rest,
+    unused). Collective: world_size splits, made once so examples need none."""
+    return {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
+
+
+def in_subworlds(comm, check, cases, max_examples: int, world_of=None) -> int:
+    """Hypothesis inside every rank: for each case, check(sub, case) on the sub-world of the
+    first k ranks, k = world_of(case) (default: drawn from 1..world_size, and check gets the
+    case alone); the other ranks sit it out. The number of examples run, the same everywhere.
+
+    check must combine its verdict over sub before asserting (verdict, check_all), so every
+    rank of the sub-world fails together and hypothesis stays in step across ranks."""
+    subs, count = subworlds(comm), [0]
+    if world_of is None:
+        cases, world_of = st.tuples(st.integers(1, comm.world_size), cases), lambda c: c[0]
+        run = lambda sub, drawn: check(sub, drawn[1])  # noqa: E731
+    else:
+        run = check
+
+    @rank_settings(max_examples)
+    @given(cases)
+    def prop(case):
+        count[0] += 1
+        if comm.rank < world_of(case):
+            run(subs[world_of(case)], case)
+        comm.barrier()  # the ranks outside wait, so the next example starts together
+
+    prop()
+    return count[0]
 
 
 def run_ranks(fn, world_size: int, backend: str, *args, timeout: float = 120.0) -> list:

@@ -22,7 +22,7 @@ from torch import nn
 
 from minidist import accumulation
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.testing import check_all, impl, rank_settings, run_ranks, run_threads, verdict
+from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads, verdict
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; the sum over rows happens in another order than one process
 FAST = {"timeout": 60, "comm_timeout": 20}  # a hang fails fast, a busy machine does not
@@ -375,24 +375,13 @@ def test_fp16_data_parallel_on_cuda(reduce):
 def amp_properties_in_ranks(comm, max_examples: int) -> int:
     """The exact DP x accumulation x scaling property on sub-worlds 1..p, then real float16."""
     torch.set_num_threads(1)  # this rank's own process: one core each
-    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
-    count = [0]
-
-    @rank_settings(max_examples)
-    @given(st.integers(1, comm.world_size), cases)
-    def prop(k, case):
-        count[0] += 1
-        if comm.rank < k:
-            amp_dp_matches_single_process(subs[k], case)
-        comm.barrier()
-
-    prop()
+    count = in_subworlds(comm, amp_dp_matches_single_process, cases, max_examples)
     got = fp16_data_parallel(comm, "fp32")
     skips = torch.tensor([len(got["skipped"]), *got["skipped"][:4], *[-1] * 4])[:5]
     rows = comm.all_gather(torch.empty(5 * comm.world_size, dtype=torch.int64), skips)
     same = all(torch.equal(row, skips) for row in rows.view(comm.world_size, 5))
     verdict(comm, same and got["same"], f"skips differ across ranks: {rows.tolist()}")
-    return count[0]
+    return count
 
 
 @pytest.mark.processes

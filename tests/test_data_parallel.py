@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.testing import check_all, impl, rank_settings, run_ranks, run_threads, verdict
+from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads, verdict
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; reduction order differs from the single-process sum
 
@@ -153,19 +153,7 @@ def test_data_parallel_threads(p, case):
 
 
 def dp_properties_in_ranks(comm, max_examples: int) -> int:
-    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
-    count = [0]
-
-    @rank_settings(max_examples)
-    @given(st.integers(1, comm.world_size), cases)
-    def prop(k, case):
-        count[0] += 1
-        if comm.rank < k:
-            dp_matches_single_process(subs[k], case)
-        comm.barrier()
-
-    prop()
-    return count[0]
+    return in_subworlds(comm, dp_matches_single_process, cases, max_examples)
 
 
 @pytest.mark.processes

@@ -25,7 +25,7 @@ from minidist.testing import (
     check_all,
     compare,
     impl,
-    rank_settings,
+    in_subworlds,
     run_ranks,
     run_threads,
     verdict,
@@ -397,18 +397,7 @@ def test_partition_refuses_impossible_plans():
 
 
 def pipeline_properties_in_ranks(comm, max_examples: int) -> int:
-    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
-    count = [0]
-
-    @rank_settings(max_examples)
-    @given(st.integers(1, comm.world_size), cases)
-    def prop(k, case):
-        count[0] += 1
-        if comm.rank < k:
-            pipeline_matches_single_process(subs[k], case)
-        comm.barrier()
-
-    prop()
+    count = in_subworlds(comm, pipeline_matches_single_process, cases, max_examples)
     for name in NAMES:  # every schedule once at full size, traced: all_gather works here too
         check_timeline(
             run_in(comm, timeline_and_memory, name, 8, 2),
@@ -416,7 +405,7 @@ def pipeline_properties_in_ranks(comm, max_examples: int) -> int:
             8,
             2 if name == "interleaved" else 1,
         )
-    return count[0]
+    return count
 
 
 def run_in(comm, fn, name, m, v):

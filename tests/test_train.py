@@ -25,7 +25,7 @@ from minidist import model as gpt
 from minidist.data import batch_at, dp_share, load_bytes
 from minidist.launch import launch
 from minidist.reference import differences, element_numbers, train_whole, whole_parameters
-from minidist.testing import check_all, rank_settings, run_ranks, run_threads
+from minidist.testing import check_all, in_subworlds, run_ranks, run_threads
 from minidist.train import TrainConfig, build_job, predicted_nbytes, train, train_step
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
@@ -236,20 +236,9 @@ def test_bytes_per_dimension_equal_the_formulas(options):
 
 
 def train_properties_in_ranks(comm, max_examples: int) -> int:
-    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
-    count = [0]
-
-    @rank_settings(max_examples)
-    @given(configs(max_world=comm.world_size))
-    def prop(config):
-        count[0] += 1
-        k = config.layout.world_size
-        if comm.rank < k:
-            train_matches_one_process(subs[k], config)
-        comm.barrier()
-
-    prop()
-    return count[0]
+    world_of = lambda config: config.layout.world_size  # noqa: E731
+    cases = configs(max_world=comm.world_size)
+    return in_subworlds(comm, train_matches_one_process, cases, max_examples, world_of)
 
 
 @pytest.mark.processes
