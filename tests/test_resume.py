@@ -160,21 +160,21 @@ def test_a_checkpoint_of_another_model_or_run_is_refused(tmp_path):
 
 @pytest.mark.processes
 def test_cli_interrupted_then_resumed_in_another_layout_matches_one_process(tmp_path):
-    """minidist train over gloo: stop at step 3 with a checkpoint (dp=2 x tp=2), resume it in
-    pp=2 x tp=2 with --check: the losses and parameters equal one process's full run."""
+    """minidist train over gloo: stop at step 3 with a checkpoint (dp=2), resume it as tp=2
+    (every weight re-sliced) with --check: losses and parameters equal one process's full run."""
     common = ["--steps", "6", "--batch", "8", "--dtype", "float64", "--d-model", "16",
               "--seq-len", "8", "--d-ff", "32", "--n-layers", "2", "--backend", "gloo",
               "--out", str(tmp_path / "out")]  # fmt: skip
     cli = [sys.executable, "-m", "minidist.cli", "train", *common]
     first = subprocess.run(
-        cli + ["--dp", "2", "--tp", "2", "--stop-at", "3", "--save", str(tmp_path)],
+        cli + ["--dp", "2", "--stop-at", "3", "--save", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert first.returncode == 0, first.stderr
     assert resume.checkpoints(str(tmp_path)) == [str(tmp_path / "step-0000003.pt")]
-    second = subprocess.run(cli + ["--pp", "2", "--tp", "2", "--microbatches", "2", "--resume",
+    second = subprocess.run(cli + ["--tp", "2", "--microbatches", "2", "--resume",
                                    str(tmp_path), "--check", "--json"],
                             capture_output=True, text=True, timeout=240)  # fmt: skip
     assert second.returncode == 0, second.stderr
