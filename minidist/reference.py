@@ -29,28 +29,42 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
     elsewhere). Each tp group puts its layers back together (all_gather), then every stage
     of replica 0 sends its layers to stage 0 (pp send/recv)."""
     mesh, config = job.mesh, job.config
-    d, s, t = mesh.coords
+    d, _, _ = mesh.coords
     with job.replicas.gathered():
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
         mine = [_whole_flat(config.model, i, x, mesh.tp_comm)
                 for i, x in zip(sum(job.layer_ids, []), layers, strict=True)]  # fmt: skip
-    if d != 0 or t != 0:
+    if d != 0:
+        return None  # every replica holds the same model
+    ids = sum(job.layer_ids, [])
+    found = to_stage_zero(job, {i: x[None] for i, x in zip(ids, mine, strict=True)})  # (1, n_i)
+    return None if found is None else [found[i][0] for i in range(config.model.n_layers + 2)]
+
+
+def to_stage_zero(job: Job, mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """Every layer's tensor (rows, n_i), whole, on world rank 0 (None elsewhere), from this
+    stage's layers `mine` (already put back together over tp): tp rank 0 of each other stage
+    sends its layers, in layer order, to stage 0 (one pp send each). Call on replica 0."""
+    mesh, config = job.mesh, job.config
+    _, s, t = mesh.coords
+    if t != 0:
         return None
     if s != 0:
-        mesh.pp_comm.send(torch.cat(mine).to(job.device), 0)
+        mesh.pp_comm.send(torch.cat([mine[i].reshape(-1) for i in sorted(mine)]).to(job.device), 0)
         return None
-    found = dict(zip(sum(job.layer_ids, []), mine, strict=True))
+    rows, found = next(iter(mine.values())).shape[0], dict(mine)
     for other in range(1, config.pp):
-        ids = sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), [])
-        sizes = [_numel(gpt.whole_layer(config.model, i, torch.float64)) for i in ids]
+        ids = sorted(sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), []))
+        sizes = [rows * layer_numel(config.model, i) for i in ids]
         flat = torch.empty(sum(sizes), dtype=torch.float64, device=job.device)
         flat = mesh.pp_comm.recv(flat, other).cpu()
-        found.update(zip(ids, flat.split(sizes), strict=True))
-    return [found[i] for i in range(config.model.n_layers + 2)]
+        found.update({i: x.view(rows, -1) for i, x in zip(ids, flat.split(sizes), strict=True)})
+    return found
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(q.numel() for q in module.parameters())
+def layer_numel(model: gpt.GPTConfig, i: int) -> int:
+    """Elements of layer i's whole parameters."""
+    return sum(q.numel() for q in gpt.whole_layer(model, i, torch.float64).parameters())
 
 
 def element_numbers(model: gpt.GPTConfig, i: int, tp_comm) -> tuple[torch.Tensor, int]:

@@ -30,7 +30,7 @@ from dataclasses import asdict
 import torch
 
 from minidist import model as gpt
-from minidist.reference import element_numbers, whole_flat
+from minidist.reference import element_numbers, to_stage_zero, whole_flat
 from minidist.train import Job
 
 MAGIC = b"minidist-checkpoint 1 sha256="
@@ -118,18 +118,9 @@ def save(job: Job, path: str) -> None:
             ]
             rows.append(whole_flat(config.model, i, tensors, mesh.tp_comm))  # over tp
         mine[i] = torch.stack(rows)  # (3, n_i)
-    _, s, t = mesh.coords
-    if t != 0:
+    mine = to_stage_zero(job, mine)  # over pp, to world rank 0
+    if mine is None:
         return
-    if s != 0:
-        mesh.pp_comm.send(torch.cat([mine[i].reshape(-1) for i in sorted(mine)]).to(job.device), 0)
-        return
-    for other in range(1, config.pp):
-        ids = sorted(sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), []))
-        sizes = [len(KEYS) * _numel(config.model, i) for i in ids]
-        flat = torch.empty(sum(sizes), dtype=torch.float64, device=job.device)
-        flat = mesh.pp_comm.recv(flat, other).cpu()
-        mine.update({i: x.view(len(KEYS), -1) for i, x in zip(ids, flat.split(sizes), strict=True)})
     payload = {
         "config": asdict(config), "step": job.step, "adam_step": adam_step,
         "scaler": scaler, "schedule": job.schedule.state_dict(),
@@ -141,10 +132,6 @@ def save(job: Job, path: str) -> None:
 def _or_zeros(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """Optimizer state not made yet (before the first step) is zeros, as AdamW starts it."""
     return torch.zeros_like(like, dtype=torch.float64) if t is None else t.to(like.device)
-
-
-def _numel(model: gpt.GPTConfig, i: int) -> int:
-    return sum(q.numel() for q in gpt.whole_layer(model, i, torch.float64).parameters())
 
 
 def _write_atomically(path: str, payload: dict) -> None:

@@ -215,22 +215,17 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
 
 def _held_nbytes(job: Job) -> dict[str, int]:
     """Bytes of parameters and of optimizer state (with fp32 masters) this rank holds now."""
+    from minidist.zero3 import memory_nbytes, storage_nbytes
+
     r = job.replicas
     if r.zero is not None:
-        from minidist.zero3 import memory_nbytes
-
         return memory_nbytes(r.zero)
     inner = r.mp.optimizer if r.mp is not None else r.optimizer
     state = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
     state += list(r.mp.master) if r.mp is not None else []
     params = list(r.module.parameters())
-    return {"params": _nbytes(params), "optimizer": _nbytes([t for t in state if t.dim() > 0])}
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind tensors (views counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors}.values())  # fmt: skip
+    return {"params": storage_nbytes(params),
+            "optimizer": storage_nbytes([t for t in state if t.dim() > 0])}  # fmt: skip
 
 
 def _gather_events(world, events: list[dict], device) -> dict[int, list[dict]] | None:

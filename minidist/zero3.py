@@ -237,16 +237,16 @@ def memory_nbytes(zero) -> dict[str, int]:
     state = [v for s in zero.optimizer.state.values() for v in s.values()]
     state = [v for v in state if torch.is_tensor(v) and v.dim() > 0] + [u.master for u in units]
     return {
-        "params": _storage_nbytes([u.flat for u in units] + [u.shard for u in units]),
-        "grads": _storage_nbytes(
+        "params": storage_nbytes([u.flat for u in units] + [u.shard for u in units]),
+        "grads": storage_nbytes(
             [q.grad for u in units for q in u.params] + [u.grad_shard for u in units]
         ),
-        "optimizer": _storage_nbytes(state),
-        "buffers": _storage_nbytes([t for u in units for t in (u.grad_flat, u.recv, u.landing)]),
+        "optimizer": storage_nbytes(state),
+        "buffers": storage_nbytes([t for u in units for t in (u.grad_flat, u.recv, u.landing)]),
     }
 
 
-def _storage_nbytes(tensors: list) -> int:
+def storage_nbytes(tensors: list) -> int:
     """Bytes of the distinct storages behind tensors (views counted once, freed ones as 0)."""
     seen = {}
     for t in tensors:
