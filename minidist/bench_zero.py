@@ -227,19 +227,21 @@ def main(args: argparse.Namespace) -> int:
     """The parent: one launch per world size; rank 0 of each leaves its rows in a file."""
     results = []
     for n in args.n:
-        out = os.path.join(tempfile.mkdtemp(prefix="minidist-bench-zero-"), "rows.json")
-        argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
-        argv += [f"--algorithm={args.algorithm}", f"--out={out}", "--precision", *args.precision]
-        if args.backend == "threads":
-            outcome = run_threads([os.path.abspath(__file__), *argv], n)
-        else:  # large tensors straight from mmap, and back on free: RSS follows what is live
-            env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
-            outcome = launch(["-m", "minidist.bench_zero", *argv], n, args.backend, env=env)
-        if outcome.returncode != 0:
-            print(f"minidist bench zero: {outcome.report()}", file=sys.stderr, end="")
-            return outcome.returncode
-        with open(out) as f:
-            results.append(json.load(f))
+        with tempfile.TemporaryDirectory(prefix="minidist-bench-zero-") as folder:
+            out = os.path.join(folder, "rows.json")
+            argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
+            argv += [f"--algorithm={args.algorithm}", f"--out={out}"]
+            argv += ["--precision", *args.precision]
+            if args.backend == "threads":
+                outcome = run_threads([os.path.abspath(__file__), *argv], n)
+            else:  # large tensors straight from mmap, and back on free: RSS follows what is live
+                env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
+                outcome = launch(["-m", "minidist.bench_zero", *argv], n, args.backend, env=env)
+            if outcome.returncode != 0:
+                print(f"minidist bench zero: {outcome.report()}", file=sys.stderr, end="")
+                return outcome.returncode
+            with open(out) as f:
+                results.append(json.load(f))
     if args.json:
         print(json.dumps({"bench": "zero", "results": results}))
     else:

@@ -136,21 +136,23 @@ def run_threads(fn, world_size: int, *args, timeout: float = 60.0, comm_timeout=
 
 def run_processes(fn, world_size: int, backend: str, *args, timeout: float = 120.0) -> list:
     """Run fn(comm, *args) in world_size real processes over mpi or gloo (started once)."""
-    folder = tempfile.mkdtemp(prefix="minidist-test-")
-    with open(os.path.join(folder, "job.pkl"), "wb") as f:
-        pickle.dump((fn, args), f)
-    path = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or "."))
-    env = {"PYTHONPATH": path, "MINIDIST_TIMEOUT": str(max(timeout - 10, timeout / 2))}
-    done = lambda r: os.path.exists(os.path.join(folder, f"rank{r}.pkl"))  # noqa: E731
-    argv = ["-m", "minidist.testing", folder]
-    outcome = launch(argv, world_size, backend, env=env, timeout=timeout, done_marker=done)
-    if outcome.returncode != 0:
-        raise AssertionError(f"{backend} x {world_size}: {outcome.report()}")
-    results = []
-    for r in range(world_size):
-        with open(os.path.join(folder, f"rank{r}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    with tempfile.TemporaryDirectory(prefix="minidist-test-") as folder:
+        with open(os.path.join(folder, "job.pkl"), "wb") as f:
+            pickle.dump((fn, args), f)
+        path = os.pathsep.join(
+            os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")
+        )
+        env = {"PYTHONPATH": path, "MINIDIST_TIMEOUT": str(max(timeout - 10, timeout / 2))}
+        done = lambda r: os.path.exists(os.path.join(folder, f"rank{r}.pkl"))  # noqa: E731
+        argv = ["-m", "minidist.testing", folder]
+        outcome = launch(argv, world_size, backend, env=env, timeout=timeout, done_marker=done)
+        if outcome.returncode != 0:
+            raise AssertionError(f"{backend} x {world_size}: {outcome.report()}")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(folder, f"rank{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
 
 
 def _worker(folder: str) -> None:
