@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -101,3 +102,16 @@ def test_a_killed_rank_stops_the_rest_and_is_named(backend):
     assert code != 0
     assert "minidist run: rank 2 failed" in out and "(no traceback:" in out
     assert seconds < 30, f"took {seconds:.1f}s to stop"
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_close_all_ends_the_worker_threads_of_every_group():
+    """At exit (init registers close_all) no Gloo worker may still be running: one that frees a
+    finished operation's tensors while the interpreter shuts down aborts the process."""
+    code, out, _ = minidist_run("-n", "4", "--backend", "gloo", str(SCRIPTS / "close_all.py"))
+    assert code == 0, out
+    counts = re.findall(r"rank \d threads: (\d+) (\d+) (\d+)", out)
+    assert len(counts) == 4, out
+    for before, with_groups, after in counts:
+        assert int(with_groups) > int(before) and after == before, out

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -80,10 +82,27 @@ def init_process_group(
             f"({e}). Are all WORLD_SIZE={world_size} ranks started, with the same MASTER_ADDR "
             f"and MASTER_PORT?"
         ) from e
-    # tear the groups down before the interpreter does: Gloo's threads, destroyed in arbitrary
-    # order at exit, otherwise crash the process now and then ("terminate called ...")
-    atexit.register(dist.destroy_process_group)
+    atexit.register(close_all)
     return TorchDistComm(None, backend, device, timeout)
+
+
+_split_comms: weakref.WeakSet = weakref.WeakSet()  # the comms split from the world: see close_all
+_CLOSED = "closed by close_all"
+
+
+def close_all() -> None:
+    """End every process group while the interpreter is still whole (init registers this to run
+    at exit). Destroying the groups is not enough: a split comm still holds its group, and the
+    group's worker threads go on until the interpreter frees it at shutdown. A Gloo worker that
+    frees a finished operation's tensors then needs the GIL, cannot take it, and the process
+    aborts ("terminate called without an active exception"): now and then, after all the work
+    is done. So drop those references too: each group's destructor joins its threads here (torch
+    releases the GIL for it). The comms are unusable afterwards."""
+    if is_initialized():
+        dist.destroy_process_group()
+    for comm in list(_split_comms):
+        comm.group = _CLOSED
+    gc.collect()
 
 
 class _TorchWork:
@@ -283,7 +302,9 @@ class TorchDistComm:
         group = dist.new_group(ranks, use_local_synchronization=True)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise CommError(f"rank {self.rank}: split(color={color}) made no group")
-        return TorchDistComm(group, self.backend, self.device, self.timeout)
+        comm = TorchDistComm(group, self.backend, self.device, self.timeout)
+        _split_comms.add(comm)
+        return comm
 
 
 def _groups_made() -> int:
