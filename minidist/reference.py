@@ -1,5 +1,6 @@
 """The single-process check of the main job: the program every dp x pp x tp layout must equal
-(train_whole), the distributed model put back together (whole_parameters), and the difference.
+(train_whole), the distributed model put back together (whole_parameters), each rank's part of
+it (local_parameters), and the difference.
 
 Equals: train_whole is the reference itself: nn.Sequential(whole_layers) on the whole batch,
 the same batches, AdamW, learning-rate schedule and precision as train.py's ranks.
@@ -39,6 +40,20 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
     ids = sum(job.layer_ids, [])
     found = to_stage_zero(job, {i: x[None] for i, x in zip(ids, mine, strict=True)})  # (1, n_i)
     return None if found is None else [found[i][0] for i in range(config.model.n_layers + 2)]
+
+
+def local_parameters(job: Job) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer i: (which whole elements this rank holds, their values in float64 on the CPU)}
+    for every layer of this rank (ZeRO-3's inside gathered()): to compare every rank with
+    whole_parameters or train_whole, as `whole[i][where]`. No communication beyond gathered()."""
+    found = {}
+    with job.replicas.gathered():
+        layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
+        for i, layer in zip(sum(job.layer_ids, []), layers, strict=True):
+            where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
+            mine = torch.cat([q.detach().double().cpu().reshape(-1) for q in layer.parameters()])
+            found[i] = (where, mine)
+    return found
 
 
 def to_stage_zero(job: Job, mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from minidist import model as gpt
 from minidist.data import batch_at, dp_share, load_bytes
 from minidist.launch import launch
-from minidist.reference import differences, element_numbers, train_whole, whole_parameters
+from minidist.reference import differences, local_parameters, train_whole, whole_parameters
 from minidist.testing import check_all, in_subworlds, run_ranks, run_threads
 from minidist.train import TrainConfig, build_job, predicted_nbytes, train, train_step
 
@@ -54,16 +54,11 @@ def configs(draw, max_world: int = 8, dtype: str = "float64") -> TrainConfig:
 
 def local_pairs(job, reference: dict) -> dict:
     """(this rank's value, the reference's same elements) for every parameter element it
-    holds, per layer, found by element_numbers; ZeRO-3's inside gathered()."""
-    pairs = {}
-    with job.replicas.gathered():
-        ids = sum(job.layer_ids, [])
-        layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
-        for i, layer in zip(ids, layers, strict=True):
-            where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
-            mine = torch.cat([q.detach().double().cpu().reshape(-1) for q in layer.parameters()])
-            pairs[f"layer {i} parameters"] = (mine, reference["parameters"][i][where])
-    return pairs
+    holds, per layer."""
+    return {
+        f"layer {i} parameters": (mine, reference["parameters"][i][where])
+        for i, (where, mine) in local_parameters(job).items()
+    }
 
 
 def train_matches_one_process(comm, config: TrainConfig, device=None) -> None:
