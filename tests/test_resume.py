@@ -14,8 +14,8 @@ import torch
 
 from minidist import model as gpt
 from minidist import resume
-from minidist.reference import local_parameters, whole_parameters
-from minidist.testing import run_threads
+from minidist.reference import local_parameters, train_whole, whole_parameters
+from minidist.testing import check_all, run_ranks, run_threads
 from minidist.train import TrainConfig, build_job, train_step
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
@@ -85,6 +85,39 @@ def test_resume_in_another_layout_reshards(tmp_path, before, after):
             torch.tensor(again), torch.tensor(losses[2:]), rtol=1e-12, atol=0
         )
     compare_every_rank(whole, ranks, atol=1e-10)
+
+
+def resumed_in_another_layout_in_ranks(comm, folder: str) -> None:
+    """World 4: train 2 steps as dp=2 x tp=2 with ZeRO-3, save; resume as dp=2 x pp=2 with
+    ZeRO-2 and train to step 5. Every rank compares its losses and its own elements with one
+    process (the recipe: each computes train_whole itself), as test_train does."""
+    torch.set_num_threads(1)  # this rank's own process: one core each
+    common = dict(steps=5, batch=8, warmup=1, model=TINY, dtype="float64")
+    before = TrainConfig(dp=2, tp=2, zero=3, **common)
+    after = TrainConfig(dp=2, pp=2, zero=2, microbatches=2, **common)
+    path = resume.step_path(folder, 2)
+    job = build_job(comm, before)
+    while job.step < 2:
+        train_step(job)
+    resume.save(job, path)
+    job = build_job(comm, after)
+    resume.restore(job, resume.load(path))
+    losses = [train_step(job)[0] for _ in range(3)]
+    reference = train_whole(after)
+    context = f"resumed at step 2 as {after.layout}"
+    expected = torch.tensor(reference["losses"][2:], dtype=torch.float64)
+    check_all(comm, {"losses": (torch.tensor(losses, dtype=torch.float64), expected)},
+              rtol=1e-12, context=context)  # fmt: skip
+    pairs = {f"layer {i} parameters": (mine, reference["parameters"][i][where])
+             for i, (where, mine) in local_parameters(job).items()}  # fmt: skip
+    check_all(comm, pairs, atol=1e-10, context=context)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_resume_in_another_layout_processes(tmp_path, backend):
+    """Save and re-shard over real processes: every rank checked against one process."""
+    run_ranks(resumed_in_another_layout_in_ranks, 4, backend, str(tmp_path), timeout=180)
 
 
 def two_checkpoints(tmp_path) -> list[str]:
