@@ -5,8 +5,9 @@ fact from a public spec sheet or price list, with its source beside it, or says 
 assumption. The formulas are the alpha-beta model of lesson 02 with one (alpha, beta) pair per
 link class; tests/test_cluster.py asserts them against minidist's own byte counts.
 Communication (p ranks on n nodes of g GPUs, rank r on node r // g; N bytes):
-    flat ring all-reduce     2 (p-1) steps of N/p bytes; once the ring leaves the node every
-                             step waits for the slowest link: 2 (p-1) (a + N/(p B)) of it
+    flat ring all-reduce     2 (p-1) steps of N/p bytes: in a node 2 (p-1) (a + N/(p B));
+                             across nodes about 2 (p-1)/p N / B of the network, which carries
+                             every step (ring_all_reduce_seconds: the longer of two bounds)
     tree all-reduce          a pipelined reduce up and broadcast down a tree of depth
                              log2(p): 2 (log2(p) a + N/B); latency-optimal, moves N per link
     hierarchical all-reduce  reduce-scatter in the node, all-reduce the N/g shard across
@@ -94,11 +95,25 @@ def _slowest(cluster: Cluster, p: int) -> Link:
 
 
 def ring_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
-    """2 (p-1) steps of nbytes/p, every step as slow as the ring's slowest link."""
+    """The ring's 2 (p-1) steps of c = nbytes/p, the longer of two bounds:
+    chain: each step waits for the chunk the previous step brought, so 2 (p-1) hops in a row
+        each cost alpha + c / B of its own link (of a lap's p hops, one per node leaves it);
+    stream: the slowest link carries 2 (p-1) chunks back to back, then one latency.
+    Inside a node the chain is the whole story: 2 (p-1) (alpha + c / B), lesson 02's formula.
+    Across nodes the network link rarely idles, so the stream bound wins for large messages
+    (NCCL's model likewise counts 2 (n-1) network latencies, not 2 (p-1): tuning.cc). Equal to
+    simulate.py's events where one bound dominates; where the two meet, up to 1% short."""
     if p == 1:
         return 0.0
-    link = _slowest(cluster, p)
-    return 2 * (p - 1) * (link.latency + nbytes / p / link.bandwidth)
+    c = nbytes / p
+    hop = lambda x: x.latency + c / x.bandwidth  # noqa: E731
+    n = -(-p // cluster.gpus_per_node)  # nodes the ring visits
+    out = [hop(cluster.link(0, p - 1))] * (n if n > 1 else 0)  # a lap's hops between nodes
+    lap = sorted([hop(cluster.intra)] * (p - len(out)) + out)
+    chain = 2 * sum(lap) - lap[0] - lap[1]  # 2 laps less 2 hops: the 2 cheapest
+    slow = _slowest(cluster, p)
+    stream = 2 * (p - 1) * c / slow.bandwidth + slow.latency
+    return max(chain, stream)
 
 
 def tree_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
