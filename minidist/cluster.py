@@ -105,6 +105,7 @@ def ring_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
     simulate.py's events where one bound dominates; where the two meet, up to 1% short."""
     if p == 1:
         return 0.0
+    # lab 13.1 begin: the chain (2 (p-1) hops in a row) and the stream; return the longer
     c = nbytes / p
     hop = lambda x: x.latency + c / x.bandwidth  # noqa: E731
     n = -(-p // cluster.gpus_per_node)  # nodes the ring visits
@@ -114,6 +115,7 @@ def ring_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
     slow = _slowest(cluster, p)
     stream = 2 * (p - 1) * c / slow.bandwidth + slow.latency
     return max(chain, stream)
+    # lab 13.1 end
 
 
 def tree_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
@@ -133,11 +135,13 @@ def hierarchical_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> 
     if p % g:
         raise ValueError(f"p={p} ranks do not fill whole nodes of {g} GPUs")
     n = p // g
+    # lab 13.2 begin: the two rings inside the node, plus the ring of n across nodes on 1/g
     inside = 2 * (g - 1) * (cluster.intra.latency + nbytes / g / cluster.intra.bandwidth)
     if n == 1:
         return inside
     net = cluster.link(0, g)  # the ring across nodes is on the network, however few they are
     return inside + 2 * (n - 1) * (net.latency + nbytes / g / n / net.bandwidth)
+    # lab 13.2 end
 
 
 def hierarchical_sent_nbytes(p: int, g: int, nbytes: float) -> dict[str, float]:

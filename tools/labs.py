@@ -121,6 +121,13 @@ LABS = {
         "grade": ["tests/test_mesh.py"],
         "probe": ["tests/test_mesh.py", "-m", "not processes"],
     },
+    "13": {
+        "folder": "lessons/13_beyond_one_machine",
+        "module": "minidist/cluster.py",
+        "impl": "cluster",
+        "grade": ["tests/test_cluster.py", "tests/test_simulate.py", "-m", "pure or threads"],
+        "probe": ["tests/test_cluster.py", "-m", "pure"],
+    },
 }
 
 BEGIN = re.compile(r"^(?P<indent>[ ]*)# lab (?P<id>\d\d\.\d+) begin: (?P<hint>\S.*?)\s*$")
