@@ -5,9 +5,10 @@ only time is simulated. Every rank keeps a virtual clock. A message of n bytes f
 rank b leaves when a's clock has reached the send and a's link of that class (cluster.link:
 inside the node or across) is free, occupies that link n / B, and arrives alpha later; the
 receiver's clock moves to the arrival if it is behind. A library collective (comm.all_reduce,
-...) starts when the last of its ranks calls it and takes the ring formula over its ranks'
-slowest link. Compute moves the clock by its FLOPs (torch's flop counter: matmuls,
-attention, convolutions; elementwise work is free) over peak x efficiency. The clocks depend
+...) starts when the last of its ranks calls it and takes cluster.ring_seconds over its ranks
+(broadcast and barrier: a tree's rounds on the slowest link). Compute moves the clock by its
+FLOPs (torch's flop counter: matmuls, attention, convolutions; elementwise work is free) over
+peak x efficiency. The clocks depend
 only on what each rank sends and computes, never on this machine's speed: deterministic.
 Communication: the code's own; Report.traffic counts each rank's bytes per link class.
 Memory per rank: the code's own, plus one timestamp per message in flight.
@@ -28,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from minidist.cluster import Cluster
+from minidist.cluster import Cluster, ring_seconds
 from minidist.comm.threads import ThreadsWorld
 
 
@@ -120,8 +121,10 @@ class SimulatedComm:
     def _reach(self, when: float) -> None:
         self.me.clock = max(self.me.clock, when)
 
-    def _collective(self, work, steps: int, nbytes: float):
-        """Start when the last rank calls; take steps x (alpha + nbytes / B), slowest link."""
+    def _collective(self, work, steps: int, chunk: float, ring: bool = True):
+        """Start when the last rank calls; then the ring formula over the members
+        (cluster.ring_seconds: steps of chunk bytes), or, for a tree (ring=False), steps
+        rounds of alpha + chunk / B on the slowest link."""
         key = (self.cid, self.n_collectives)
         self.n_collectives += 1
         with self.sim.lock:
@@ -134,13 +137,18 @@ class SimulatedComm:
                 clocks[self.rank] = None  # read: the last reader drops the entry
                 if all(c is None for c in clocks):
                     del self.sim.starts[key]
-            right = self.ranks[1:] + self.ranks[:1]  # the ring closes
-            links = [self.sim.cluster.link(a, b) for a, b in zip(self.ranks, right, strict=True)]
-            alpha = max(x.latency for x in links)
-            beta = min(x.bandwidth for x in links)
-            self._reach(start + steps * (alpha + nbytes / beta))
+            self._reach(start + self._seconds(steps, chunk, ring))
 
         return _Timed(work, done)
+
+    def _seconds(self, steps: int, chunk: float, ring: bool) -> float:
+        members = tuple(self.ranks)
+        if ring:
+            return ring_seconds(self.sim.cluster, members, steps, chunk)
+        right = members[1:] + members[:1]
+        links = [self.sim.cluster.link(a, b) for a, b in zip(members, right, strict=True)]
+        alpha, beta = max(x.latency for x in links), min(x.bandwidth for x in links)
+        return steps * (alpha + chunk / beta)
 
     def iall_reduce(self, t, op="sum"):
         p, n = self.world_size, t.numel() * t.element_size()
@@ -157,11 +165,11 @@ class SimulatedComm:
     def ibroadcast(self, t, src):
         rounds = math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0
         nbytes = t.numel() * t.element_size()
-        return self._collective(self.inner.ibroadcast(t, src), rounds, nbytes)
+        return self._collective(self.inner.ibroadcast(t, src), rounds, nbytes, ring=False)
 
     def barrier(self) -> None:
         rounds = math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0
-        self._collective(_Barrier(self.inner), rounds, 0).wait()
+        self._collective(_Barrier(self.inner), rounds, 0, ring=False).wait()
 
     def send(self, t, dst, tag=0):
         self.isend(t, dst, tag).wait()

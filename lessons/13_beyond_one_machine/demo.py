@@ -67,7 +67,7 @@ def main(name: str) -> None:
         print(f"{tp:4} {nodes:6} {us(report.time)} {us(compute)} {us(report.time - compute)}")
     print("\nat this toy width (d=512) the all-reduces cost more than the matmuls even on NVLink")
     print("(compute grows as d^2, traffic as d: see the README for GPT-3's width); across nodes")
-    print("they cost ten times more again. Keep tp inside a node.")
+    print("they cost five times more again. Keep tp inside a node.")
 
 
 if __name__ == "__main__":

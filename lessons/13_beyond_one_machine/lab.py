@@ -22,8 +22,8 @@ Communication (p ranks on n nodes of g GPUs, rank r on node r // g; N bytes):
 Bytes each rank sends: flat ring 2 (p-1)/p N (on the network if its right neighbour is on
 another node); hierarchical 2 (g-1)/g N inside the node and 2 (n-1)/n N/g across.
 Ladder: the data (GPU, Link, Cluster, presets) -> the cost of one message (message_seconds)
--> collectives on a topology (ring, tree, hierarchical) -> calibrated(): this machine from
-`minidist bench p2p --json`.
+-> collectives on a topology (ring_seconds: any ring of ranks; ring, tree, hierarchical
+all-reduce) -> calibrated(): this machine from `minidist bench p2p --json`.
 Paper: Thakur, Rabenseifner, Gropp (IJHPCA 2005) for the alpha-beta costs; Jeaugey, "Massively
 Scale Your Deep Learning Training with NCCL 2.4" (NVIDIA blog, 2019) for trees in NCCL.
 Lesson: lessons/02_collectives/ (the alpha-beta model).   Run: see tests/test_cluster.py.
@@ -31,6 +31,7 @@ Lesson: lessons/02_collectives/ (the alpha-beta model).   Run: see tests/test_cl
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -100,20 +101,31 @@ def _slowest(cluster: Cluster, p: int) -> Link:
     return cluster.link(0, p - 1) if p > cluster.gpus_per_node else cluster.intra
 
 
-def ring_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
-    """The ring's 2 (p-1) steps of c = nbytes/p, the longer of two bounds:
-    chain: each step waits for the chunk the previous step brought, so 2 (p-1) hops in a row
-        each cost alpha + c / B of its own link (of a lap's p hops, one per node leaves it);
-    stream: the slowest link carries 2 (p-1) chunks back to back, then one latency.
-    Inside a node the chain is the whole story: 2 (p-1) (alpha + c / B), lesson 02's formula.
-    Across nodes the network link rarely idles, so the stream bound wins for large messages
-    (NCCL's model likewise counts 2 (n-1) network latencies, not 2 (p-1): tuning.cc). Equal to
-    simulate.py's events where one bound dominates; where the two meet, up to 1% short."""
-    if p == 1:
+@functools.lru_cache(maxsize=4096)
+def ring_seconds(cluster: Cluster, ranks: tuple[int, ...], steps: int, chunk: float) -> float:
+    """steps of a ring over ranks (in ring order), each rank sending chunk bytes to the next
+    every step: the longer of two bounds.
+    chain: each step waits for the chunk the previous step brought, so `steps` hops in a row
+        each cost alpha + chunk / B of its own link (the dearest such run of hops);
+    stream: the slowest link carries `steps` chunks back to back, then one latency.
+    Inside a node the chain is the whole story: steps (alpha + c / B), lesson 02's formula.
+    Across nodes the network link rarely idles, so the stream wins for large messages (NCCL's
+    model likewise counts 2 (n-1) network latencies in an all-reduce, not 2 (p-1):
+    tuning.cc). Equal to simulate.py's events where one bound dominates; where the two meet,
+    short of them by up to 1% (nodes of 8) or 3.4% (nodes of 2: fast and slow hops alternate)."""
+    p = len(ranks)
+    if p == 1 or steps == 0:
         return 0.0
     raise NotImplementedError(
-        "Lab 13.1: the chain (2 (p-1) hops in a row) and the stream; return the longer"
+        "Lab 13.1: the chain (the dearest `steps` hops in a row) and the stream; the longer"
     )
+
+
+def ring_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
+    """Ranks 0..p-1 (nodes filled in order) all-reduce nbytes around the ring: 2 (p-1) steps of
+    nbytes / p (ring_seconds). Inside one node: 2 (p-1) (alpha + N/(p B)); across nodes about
+    2 (p-1)/p N / B of the network, which carries every step."""
+    return ring_seconds(cluster, tuple(range(p)), 2 * (p - 1), nbytes / p)
 
 
 def tree_all_reduce_seconds(cluster: Cluster, p: int, nbytes: float) -> float:
