@@ -15,14 +15,15 @@ Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam)
                   (Narayanan et al., SC 2021, section 2.2.2).
 Time per step (the slowest stage):
     compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
-                  (attention scores) + 2 V h (logits), training 3x that, 4x with full recompute
-                  (Narayanan et al., SC 2021, appendix); split over tp, pp
+                  (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
+                  again with full recompute (Narayanan et al., SC 2021, section 5.1); split
+                  over tp and pp
     pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), on the node's links if tp <= g, else on the network
     pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages
-    data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-3: 1.5x), not hidden
-                  by backward for a fraction 1 - overlap
+    data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
+                  microbatch), less what hides behind backward (ZeRO-3: all compute)
 Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown)
 -> search (every layout of a GPU count, the feasible ones ranked) -> plan_cli (`minidist plan`).
 Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -63,11 +64,21 @@ class Shape:
         """Every parameter: the layers, the token embedding and an untied output layer."""
         return self.layers * self.layer_params() + 2 * self.vocab * self.hidden
 
+    def layers_flops_per_token(self) -> int:
+        """The layers' forward: matmuls 2 x their parameters, attention scores 4 s h each."""
+        return self.layers * (2 * self.layer_params() + 4 * self.seq * self.hidden)
+
     def forward_flops_per_token(self) -> int:
-        """Matmuls 2 x params, attention scores 4 s h per layer, logits 2 V h."""
-        h = self.hidden
-        matmuls = 2 * self.layers * self.layer_params()
-        return matmuls + 4 * self.seq * h * self.layers + 2 * self.vocab * h
+        """The whole forward: the layers, then the logits' 2 V h."""
+        return self.layers_flops_per_token() + 2 * self.vocab * self.hidden
+
+    def step_flops_per_token(self, recompute: str = "none") -> int:
+        """Forward and backward (3 forwards), plus what recompute runs again: full, the layers'
+        forward (not the logits: Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh)); selective,
+        the attention scores' forward."""
+        again = {"none": 0, "full": self.layers_flops_per_token()}
+        again["selective"] = 4 * self.seq * self.hidden * self.layers
+        return 3 * self.forward_flops_per_token() + again[recompute]
 
 
 # [GPT3] Brown et al., "Language Models are Few-Shot Learners" (2020), table 2.1; vocabulary
@@ -103,12 +114,14 @@ class Layout:
 @dataclass(frozen=True)
 class Efficiency:
     """What the formulas cannot know: the fraction of peak FLOP/s the matmuls reach, of the
-    link bandwidth the collectives reach, and of the gradient all-reduce hidden by backward.
-    Calibrated on published runs (tests/published_runs.py names them)."""
+    network's bandwidth the collectives reach, and of the window in which data-parallel
+    traffic hides behind compute (backward, 2/3 of the compute, for gradients; all of it for
+    ZeRO-3, which gathers parameters ahead of forward too): exposed = max(0, t_dp - overlap x
+    window). Calibrated on published runs (CALIBRATED, tests/published_runs.py)."""
 
     compute: float = 0.5
     network: float = 1.0
-    overlap: float = 0.0
+    overlap: float = 0.0  # of the window in which data-parallel traffic can flow
 
 
 def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
@@ -116,8 +129,8 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
     found, x = [], layout
     if x.dp * x.pp * x.tp != gpus:
         found.append(f"dp={x.dp} x pp={x.pp} x tp={x.tp} != {gpus} GPUs")
-    if shape.layers % (x.pp * x.v):
-        found.append(f"layers={shape.layers} is not divisible by pp={x.pp} x v={x.v}")
+    if shape.layers < x.pp * x.v:
+        found.append(f"layers={shape.layers} are fewer than pp={x.pp} x v={x.v} stages")
     if shape.heads % x.tp or (shape.kv_heads or shape.heads) % x.tp:
         kv = shape.kv_heads or shape.heads
         found.append(f"heads={shape.heads} (kv heads {kv}) are not divisible by tp={x.tp}")
@@ -133,20 +146,29 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
     return found
 
 
-def memory_bytes(shape: Shape, layout: Layout, batch: int) -> dict[str, float]:
-    """Bytes per GPU on the fullest stage: model state and activations (the docstring)."""
+def stage_layers(shape: Shape, layout: Layout) -> int:
+    """Layers on the fullest stage: v chunks of ceil(L / (pp v)) (uneven when pp v does not
+    divide L, as minidist's partition.py and Megatron-DeepSpeed allow)."""
+    return -(-shape.layers // (layout.pp * layout.v)) * layout.v
+
+
+def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True) -> dict:
+    """Bytes per GPU on the fullest stage: model state and activations (the docstring).
+    flash: attention that never stores the s x s scores (FlashAttention; Dao et al., 2022)
+    keeps no 5 a s/h term, as selective recompute."""
     x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
-    psi = (shape.layers // x.pp * shape.layer_params() + shape.vocab * h) / x.tp  # first stage
+    layers = stage_layers(shape, x)
+    psi = (layers * shape.layer_params() + shape.vocab * h) / x.tp  # the first stage
     per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
     t, sbh = x.tp, s * x.b * h
     if x.recompute == "full":
         per_layer = 2 * sbh / (t if x.sp else 1)
     else:
-        attention = 0 if x.recompute == "selective" else 5 * a * s / (h * t)
+        attention = 0 if x.recompute == "selective" or flash else 5 * a * s / (h * t)
         per_layer = sbh * ((34 / t if x.sp else 10 + 24 / t) + attention)
     m = x.microbatches(batch)
     in_flight = min(x.pp, m) * (1 + (x.pp - 1) / (x.pp * x.v) if x.v > 1 else 1)
-    activations = per_layer * shape.layers / x.pp * in_flight
+    activations = per_layer * layers * in_flight
     return {"model state": psi * per_param, "activations": activations}
 
 
@@ -160,16 +182,13 @@ def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Effici
     """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer."""
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
-    factor = {"none": 3, "selective": 3, "full": 4}[x.recompute]
-    flops = factor * shape.forward_flops_per_token()
-    if x.recompute == "selective":  # the attention scores' forward, once more
-        flops += 4 * s * h * shape.layers
-    mb_flops = flops * s * x.b / (x.pp * x.tp)  # one microbatch on one stage
+    layers = stage_layers(shape, x)
+    flops = shape.step_flops_per_token(x.recompute)  # the logits apportioned like the layers
+    mb_flops = flops * s * x.b * layers / (shape.layers * x.tp)  # a microbatch, fullest stage
     t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
     slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
     net = replace(cluster, inter=slower)
     act = 2 * s * x.b * h  # bytes of one activation tensor in bf16
-    layers = shape.layers // x.pp
     tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
     t_tp = layers * (6 if x.recompute == "full" else 4) * tp_ar
     slot = t_mb + t_tp
@@ -180,6 +199,7 @@ def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Effici
     # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
     # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
+    window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
     dp_group = _over(net, x.dp, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
     t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, 2 * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
@@ -188,7 +208,7 @@ def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Effici
         "bubble": (x.pp - 1) / x.v * slot,
         "tp": m * t_tp,
         "pp": t_pp,
-        "dp": t_dp * (1 - eff.overlap),
+        "dp": max(0.0, t_dp - eff.overlap * window * m * t_mb),
         "optimizer": optimizer,
     }
 
@@ -208,13 +228,13 @@ class Plan:
         return sum(self.parts.values())
 
 
-def evaluate(shape, layout, cluster, gpus, batch, eff, headroom=0.9) -> Plan:
+def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9) -> Plan:
     """The verdict on one layout; memory must fit in headroom x the GPU's memory (the rest:
     the framework, fragmentation, buffers: an assumption)."""
     why = problems(shape, layout, gpus, batch)
     if why:
         return Plan(layout, {}, {}, tuple(why))
-    memory = memory_bytes(shape, layout, batch)
+    memory = memory_bytes(shape, layout, batch, flash)
     total, room = sum(memory.values()), headroom * cluster.gpu.memory
     if total > room:
         gb = cluster.gpu.memory / 1e9
@@ -223,13 +243,11 @@ def evaluate(shape, layout, cluster, gpus, batch, eff, headroom=0.9) -> Plan:
 
 
 def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
-    """Every layout worth a look: tp up to two nodes, pp dividing the layers, b up to 8,
-    v up to 4, every ZeRO stage, recompute and sp; problems() filters the rest."""
+    """Every layout worth a look: tp up to two nodes, pp up to the layers (uneven stages
+    allowed), b up to 8, v up to 4, every ZeRO stage, recompute and sp; problems() filters."""
     g = cluster.gpus_per_node
     for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * g and gpus % t == 0):
         for pp in (p for p in range(1, shape.layers + 1) if (gpus // tp) % p == 0):
-            if shape.layers % pp:
-                continue
             for v, zero, b, recompute, sp in _options(tp):
                 yield Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, sp)
 
@@ -243,11 +261,12 @@ def _options(tp: int):
                         yield v, zero, b, recompute, sp
 
 
-def search(shape, cluster, gpus, batch, eff=Efficiency()) -> tuple[list[Plan], list[Plan]]:
-    """(feasible plans, fastest first; the infeasible ones) over layouts()."""
-    plans = [
-        evaluate(shape, x, cluster, gpus, batch, eff) for x in layouts(shape, cluster, gpus, batch)
-    ]
+def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> tuple[list, list]:
+    """(feasible plans, fastest first; the infeasible ones) over layouts() that allowed(layout)
+    accepts (default all). eff: calibrated(cluster) unless given."""
+    eff = eff or calibrated(cluster)
+    candidates = [x for x in layouts(shape, cluster, gpus, batch) if allowed is None or allowed(x)]
+    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash) for x in candidates]
     ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
     return ok, [q for q in plans if q.why_not]
 
@@ -257,3 +276,22 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
     over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
     model = 3 * shape.forward_flops_per_token() * batch * shape.seq
     return model / (seconds * gpus * cluster.gpu.peak_flops)
+
+
+# Fitted on three published runs (tests/published_runs.py) and checked on every other one
+# (tests/test_published_runs.py). compute: the A100's on Megatron-LM's 145.6B on 1536 A100s
+# (r06: Narayanan et al., SC 2021, table 1), Hopper's on Llama 3 405B on 8,192 H100s (r38:
+# Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536 A100s (r12: Narayanan et
+# al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
+# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
+CALIBRATED = {
+    "A100": Efficiency(compute=0.554, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.738, network=0.630, overlap=1.0),
+}
+
+
+def calibrated(cluster: Cluster) -> Efficiency:
+    """The calibrated efficiencies of the cluster's GPU: Hopper's (H100, H200: one compute
+    die) or else the A100's."""
+    hopper = any(name in cluster.gpu.name for name in ("H100", "H200"))
+    return CALIBRATED["H100" if hopper else "A100"]

@@ -3,7 +3,7 @@
     minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
     minidist plan --model llama-70b --cluster dgx-h100 --gpus 512 --batch 1024 --tokens 2e12
     minidist plan --layers 32 --hidden 4096 --heads 32 --vocab 50304 --seq-len 2048 ...
-    minidist plan ... --recompute full --no-sp --zero 1     # only what your framework offers
+    minidist plan ... --recompute full --no-sp --zero 1 --no-flash   # what your framework has
     minidist plan ... --json         # one object: every feasible layout's numbers
     minidist plan ... --png out/plan.png                     # the time breakdown, drawn
 
@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--recompute", choices=("none", "selective", "full"), help="only this one")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
+    p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", help="draw the time breakdown of the best layouts here")
@@ -86,8 +87,9 @@ def main(args: argparse.Namespace) -> int:
         for line in found:
             print(f"minidist plan: {line}", file=sys.stderr)
         return 2
-    ok, refused = plan.search(shape, cluster, args.gpus, args.batch)
-    ok = [q for q in ok if _allowed(args, q.layout)]
+    allowed = lambda x: _allowed(args, x)  # noqa: E731
+    flash = not args.no_flash
+    ok, refused = plan.search(shape, cluster, args.gpus, args.batch, flash=flash, allowed=allowed)
     if not ok:
         _refuse_all(shape, cluster, args, refused)
         return 2
