@@ -35,7 +35,7 @@ from minidist.train import Job
 
 MAGIC = b"minidist-checkpoint 1 sha256="
 KEYS = ("value", "exp_avg", "exp_avg_sq")  # per parameter element, in this order
-SAME_RUN = ("steps", "batch", "lr", "warmup", "seed")  # what a resumed run must share with it
+SAME_RUN = ("steps", "batch", "lr", "weight_decay", "warmup", "seed")  # a resumed run keeps these
 
 
 class CheckpointError(ValueError):
@@ -206,7 +206,8 @@ def restore(job: Job, payload: dict) -> None:
         raise CheckpointError(f"the checkpoint is of model {saved['model']}, this run's is "
                               f"{now['model']}")  # fmt: skip
     # the layout may change (that is re-sharding); the run it continues may not
-    changed = [f"{k}={saved[k]!r} there, {now[k]!r} here" for k in SAME_RUN if saved[k] != now[k]]
+    changed = [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN
+               if saved.get(k) != now[k]]  # fmt: skip
     if changed:
         raise CheckpointError("the checkpoint continues another run: " + "; ".join(changed))
     mine: dict[str, dict[str, torch.Tensor]] = {}

@@ -192,12 +192,15 @@ class FreedParameterError(RuntimeError):
     """A ZeRO-3 parameter was read while its unit was freed."""
 
 
-# what a freed parameter still answers: metadata, gradients and hooks, never its values
+# what a freed parameter still answers: metadata, gradients and hooks, never its values; and
+# autograd may name it (autograd.backward(..., inputs=), autograd.grad): what backward reads,
+# the saved tensors, stays whole until all the unit's gradients are in
 METADATA = {"shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "ndim", "grad_fn",
             "layout", "names", "is_cuda", "is_meta", "is_sparse", "size", "dim", "numel",
             "nelement", "element_size", "is_floating_point", "is_complex", "stride", "__len__",
             "__hash__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-            "untyped_storage", "data_ptr", "storage_offset", "is_contiguous"}  # fmt: skip
+            "untyped_storage", "data_ptr", "storage_offset", "is_contiguous",
+            "backward"}  # fmt: skip
 
 
 def _refuse(cls, func, types, args=(), kwargs=None):
