@@ -132,7 +132,7 @@ group_cases = st.fixed_dictionaries(
 
 
 @pytest.mark.threads
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(group_cases)
 def test_param_groups_equal_torch_groups_and_survive_resharding_threads(case):
     run_threads(groups_match_single_process, max(case["ka"], case["kb"]), case)
