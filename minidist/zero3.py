@@ -209,7 +209,7 @@ def _refuse(cls, func, types, args=(), kwargs=None):
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__"):  # an attribute: func.__self__ names it (grad, data, T)
         name = func.__self__.__name__
-    if name in METADATA:
+    if name in METADATA or (name == "type" and len(args) == 1 and not kwargs):  # "torch...."
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
     freed = [a.zero3_name for a in tree_leaves((args, kwargs)) if getattr(a, "zero3_freed", 0)]

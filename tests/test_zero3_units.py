@@ -218,7 +218,9 @@ def freed_reads(comm) -> list[str]:
         except RuntimeError as e:
             found.append(f"{type(e).__name__}: {e}")
     shapes = (tuple(z.module.lin.weight.shape), z.module.lin.weight.grad)  # metadata: readable
-    found.append("" if shapes != ((3, 3), None) else "metadata read")
+    listed = impl("zero").wrap(PartNet(1, 0), comm, torch.optim.SGD, 3, {"lr": 0.1})
+    printed = "[torch.float64 of size 9]" in repr(listed)  # ParameterList prints metadata only
+    found.append("" if shapes != ((3, 3), None) or not printed else "metadata read")
     with z.gathered():  # inside, the values: no error
         found.append(f"gathered sum {z.module.lin.weight.sum().item() != 0}")
     z = impl("zero").wrap(ReturnsWeight(), comm, torch.optim.SGD, 3, {"lr": 0.1})
