@@ -273,10 +273,7 @@ def env_var(lesson: str) -> str:
     return "MINIDIST_IMPL_" + _lab(lesson)["impl"].upper().replace(".", "_")
 
 
-def main(argv: list[str] | None = None) -> int:
-    import labs_export
-    import labs_grade
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     gen = sub.add_parser("generate", help="rebuild every lessons/NN_*/lab.py")
@@ -293,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("dir")
     u = sub.add_parser("unfilled", help="prove lesson NN's tests fail on an unfilled lab")
     u.add_argument("lessons", nargs="*", help="default: every lesson")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import labs_export
+    import labs_grade
+
+    parser = _parser()
     args, pytest_args = parser.parse_known_args(argv)  # grade passes the rest on to pytest
     if pytest_args and args.verb != "grade":
         parser.error(f"unrecognized arguments: {' '.join(pytest_args)}")

@@ -7,12 +7,14 @@ that test passes. Every task is reported, whatever the others do, with the first
 message on one line; a check that fails on another region's `NotImplementedError` says which.
 Grading runs derandomized without shrinking (the `grade` profile of tests/conftest.py) and with
 MINIDIST_TIMEOUT=10, so a lab that deadlocks fails in seconds, and it refuses a file changed
-outside its lab regions, or whose regions import the reference module.
+outside its lab regions, or whose regions import the reference module. The last grade of each
+lesson's own lab (not of a --file) is kept in out/grades/NN.json, which `status` reads.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -139,7 +141,7 @@ def table(result: dict) -> str:
     for row in result["tasks"]:
         verdict = "passed" if row["passed"] else "failed"
         points = f"{row['earned']:>2} / {row['points']:<2}"
-        lines.append(f"{row['task']:<6} {points:>7}  {verdict:<7} {row['message']}")
+        lines.append(f"{row['task']:<6} {points:>7}  {verdict:<7} {row['message']}".rstrip())
     lines.append("-" * 78)
     points = f"{result['earned']:>2} / {result['points']:<2}"
     ran = f"{result['tests_run']} test cases run in {result['seconds']:.0f}s"
@@ -169,7 +171,8 @@ def grade(lesson: str, path: str | None, extra: list[str], options: dict) -> int
     passes, 1 when some fail, 3 when the file is refused. options: json, junit, verbose."""
     path = os.path.abspath(path or labs.lab_path(lesson))
     shown = os.path.relpath(path, labs.ROOT) if path.startswith(labs.ROOT + os.sep) else path
-    result = {"lesson": lesson, "file": shown, "refused": refusal(lesson, path)}
+    result = {"lesson": lesson, "file": shown, "sha256": _digest(path)}
+    result["refused"] = refusal(lesson, path)
     if result["refused"]:
         print(f"lab {lesson}: {shown} is refused: {result['refused']}", file=sys.stderr)
         _report(result, options)
@@ -183,9 +186,10 @@ def grade(lesson: str, path: str | None, extra: list[str], options: dict) -> int
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     print(table(result))
     _report(result, options)
-    os.makedirs(GRADES, exist_ok=True)
-    with open(os.path.join(GRADES, f"{lesson}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    if path == os.path.abspath(labs.lab_path(lesson)):  # the learner's own lab: for `status`
+        os.makedirs(GRADES, exist_ok=True)
+        with open(os.path.join(GRADES, f"{lesson}.json"), "w") as f:
+            json.dump(result, f, indent=1)
     return 0 if result["earned"] == result["points"] and result["points"] else 1
 
 
@@ -197,6 +201,11 @@ def _report(result: dict, options: dict) -> None:
     elif target:
         with open(target, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def status() -> str:
@@ -218,7 +227,7 @@ def status() -> str:
         if os.path.exists(last):
             g = json.load(open(last))
             graded = "refused" if g.get("refused") else f"{g['earned']}/{g['points']} {g['date']}"
-            if os.path.getmtime(path) > os.path.getmtime(last):
+            if g.get("sha256") != _digest(path):
                 graded += " (file changed since)"
         lines.append(f"{lesson:<4} {shown:<40} {left_text:<16} {graded}")
     return "\n".join(lines)
