@@ -143,9 +143,21 @@ class _RecvWork:
 
     def wait(self) -> None:
         pending = self.comm.pending[(self.src, self.tag)]
+        if self.src == self.comm.rank and not self.done:
+            self._check_self(pending)
         while not self.done:
             pending[0]._complete()
             pending.popleft()
+
+    def _check_self(self, pending: deque) -> None:
+        """A receive from self fails at once when no message waits for it: nobody else could
+        send it, so waiting for the timeout would only hide the bug."""
+        box = self.comm.world.mailbox.get((self.src, self.src, self.tag), ())
+        if len(box) < list(pending).index(self) + 1:  # the receives ahead take a message each
+            raise CommError(
+                f"{describe(self.comm, f'recv(tag={self.tag})', self.seq, self.src)}: a receive "
+                f"from self, and this rank sent itself no message"
+            )
 
     def is_completed(self) -> bool:
         box = self.comm.world.mailbox.get((self.src, self.comm.rank, self.tag))
