@@ -42,6 +42,7 @@ from minidist.comm.protocol import (
     check_gather,
     check_op,
     check_peer,
+    check_tag,
     describe,
     mismatch_message,
     reduce_rows,
@@ -196,6 +197,7 @@ class ThreadsComm:
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> DoneWork:
         check_peer(self, dst, "dst")
+        check_tag(self, tag)
         self.seq += 1
         raise NotImplementedError(
             "Lab 01.1: append a copy of t to the mailbox (self.rank, dst, tag), wake waiters"
@@ -204,6 +206,7 @@ class ThreadsComm:
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> _RecvWork:
         check_peer(self, src, "src")
+        check_tag(self, tag)
         self.seq += 1
         work = _RecvWork(self, t, src, tag, self.seq)
         self.pending.setdefault((src, tag), deque()).append(work)

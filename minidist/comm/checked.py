@@ -1,16 +1,20 @@
 """Debug mode: catch ranks that disagree about what they are doing, instead of hanging.
 
-Two mistakes make a distributed program hang or, worse, mix data silently:
+Three mistakes make a distributed program hang or, worse, mix data silently:
 - ranks call different collectives (rank 0 all_reduce, rank 1 all_gather), or the same one with
   different shapes or dtypes;
-- a receive expects another size or dtype than the matching send carries.
+- a receive expects another size or dtype than the matching send carries;
+- a message nobody receives, which a later receive with the same tag takes as if it were new.
+(The backends check the first two on their own too, more cheaply: see lessons/03.)
 
 `CheckedComm(comm)` wraps any comm. Before every collective, the ranks all-gather a short text
 signature ("all_reduce(shape=(4,), float32, op=sum)") and compare them; every rank then raises
-the same `CollectiveMismatch` naming which ranks called what. Before every message, the sender
-sends a small header (element count and dtype) that the receiver checks against its buffer.
-The price is one extra all-gather per collective and one extra message per send: turn it on
-while debugging (`minidist.init(debug=True)` or MINIDIST_DEBUG=1), not for speed.
+the same `CollectiveMismatch` naming which ranks called what. Then they all-gather how many
+messages each sent to each and how many receives each posted, and name any message left
+unreceived. With every message the sender sends a small header (element count and dtype),
+started together with the data (neither send waits for the other), that the receiver checks
+against its buffer. The price is two extra all-gathers per collective and one extra message per
+send: turn it on while debugging (`minidist.init(debug=True)` or MINIDIST_DEBUG=1), not for speed.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ Conventions shared by every backend (and asserted by tests/test_comm.py):
 - op is one of "sum", "avg", "max", "min". "avg" needs a floating dtype. bool reduces as
   logical or (sum, max) and logical and (min).
 - A tensor handed to an `i`-operation must not be touched until its `wait()` returns.
+- Tags are 0 .. MAX_TAG-1. A receive gets a message of its own element count and dtype, or
+  `CommError` naming both sides; ranks that call a collective with different shapes, dtypes,
+  ops or roots get `CollectiveMismatch` on every rank. Never wrong numbers. A send to self is
+  buffered; a receive from self with nothing sent fails at once.
 - Every blocking wait has a timeout (seconds, `comm.timeout`); when it fires, `CommTimeout`
   names the rank, the operation, its sequence number on this comm and the peer.
 """
