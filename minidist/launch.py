@@ -70,8 +70,16 @@ def _torch_env(env=os.environ) -> tuple[int, int, str, int]:
     else:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
     addr = env.get("MASTER_ADDR") or _first_slurm_host(env) or "127.0.0.1"
-    port = int(env.get("MASTER_PORT") or 29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000)
-    return rank, world, addr, port
+    port = env.get("MASTER_PORT")
+    if not port and "SLURM_JOB_ID" in env:  # every rank of one job computes the same port
+        port = 29500 + int(env["SLURM_JOB_ID"]) % 1000
+    if not port and world > 1:  # a fixed default would make two such jobs meet at one store
+        raise ValueError(
+            f"MASTER_PORT is not set: the {world} ranks need a free port to meet at on "
+            f"MASTER_ADDR={addr}, the same for every rank and for no other job "
+            f"(minidist run and torchrun choose one)"
+        )
+    return rank, world, addr, int(port or 0)  # 0, a world of one: any free port
 
 
 def _first_slurm_host(env) -> str | None:

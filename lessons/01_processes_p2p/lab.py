@@ -43,6 +43,7 @@ from minidist.comm.protocol import (
     check_gather,
     check_op,
     check_peer,
+    check_tag,
     describe,
     mismatch_message,
     reduce_rows,
@@ -150,9 +151,21 @@ class _RecvWork:
 
     def wait(self) -> None:
         pending = self.comm.pending[(self.src, self.tag)]
+        if self.src == self.comm.rank and not self.done:
+            self._check_self(pending)
         while not self.done:
             pending[0]._complete()
             pending.popleft()
+
+    def _check_self(self, pending: deque) -> None:
+        """A receive from self fails at once when no message waits for it: nobody else could
+        send it, so waiting for the timeout would only hide the bug."""
+        box = self.comm.world.mailbox.get((self.src, self.src, self.tag), ())
+        if len(box) < list(pending).index(self) + 1:  # the receives ahead take a message each
+            raise CommError(
+                f"{describe(self.comm, f'recv(tag={self.tag})', self.seq, self.src)}: a receive "
+                f"from self, and this rank sent itself no message"
+            )
 
     def is_completed(self) -> bool:
         box = self.comm.world.mailbox.get((self.src, self.comm.rank, self.tag))
@@ -187,6 +200,7 @@ class ThreadsComm:
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> DoneWork:
         check_peer(self, dst, "dst")
+        check_tag(self, tag)
         self.seq += 1
         # lab 01.1 begin: append a copy of t to the mailbox (self.rank, dst, tag), wake waiters
         raise NotImplementedError(
@@ -197,6 +211,7 @@ class ThreadsComm:
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> _RecvWork:
         check_peer(self, src, "src")
+        check_tag(self, tag)
         self.seq += 1
         work = _RecvWork(self, t, src, tag, self.seq)
         self.pending.setdefault((src, tag), deque()).append(work)

@@ -7,46 +7,39 @@
 # ruff: noqa: F401, F821, F841
 """Debug mode: catch ranks that disagree about what they are doing, instead of hanging.
 
-Two mistakes make a distributed program hang or, worse, mix data silently:
+Three mistakes make a distributed program hang or, worse, mix data silently:
 - ranks call different collectives (rank 0 all_reduce, rank 1 all_gather), or the same one with
   different shapes or dtypes;
-- a receive expects another size or dtype than the matching send carries.
+- a receive expects another size or dtype than the matching send carries;
+- a message nobody receives, which a later receive with the same tag takes as if it were new.
+(The backends check the first two on their own too, more cheaply: see lessons/03.)
 
 `CheckedComm(comm)` wraps any comm. Before every collective, the ranks all-gather a short text
 signature ("all_reduce(shape=(4,), float32, op=sum)") and compare them; every rank then raises
-the same `CollectiveMismatch` naming which ranks called what. Before every message, the sender
-sends a small header (element count and dtype) that the receiver checks against its buffer.
-The price is one extra all-gather per collective and one extra message per send: turn it on
-while debugging (`minidist.init(debug=True)` or MINIDIST_DEBUG=1), not for speed.
+the same `CollectiveMismatch` naming which ranks called what. Then they all-gather how many
+messages each sent to each and how many receives each posted, and name any message left
+unreceived. With every message the sender sends a small header (element count and dtype),
+started together with the data (neither send waits for the other), that the receiver checks
+against its buffer. The price is two extra all-gathers per collective and one extra message per
+send: turn it on while debugging (`minidist.init(debug=True)` or MINIDIST_DEBUG=1), not for speed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minidist.comm.protocol import DTYPES as _DTYPES
 from minidist.comm.protocol import (
+    SIG_BYTES,
     CallbackWork,
     CollectiveMismatch,
     CommError,
     describe,
     mismatch_message,
 )
+from minidist.comm.protocol import decode_signature as _decode
+from minidist.comm.protocol import encode_signature as _encode
 from minidist.comm.protocol import signature as _signature
-
-SIG_BYTES = 160
-_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
-
-
-def _encode(sig: str) -> torch.Tensor:
-    raw = sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def _decode(row: torch.Tensor) -> str:
-    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def _header(t: torch.Tensor, device) -> torch.Tensor:
@@ -65,6 +58,8 @@ class CheckedComm:
         self.timeout = inner.timeout
         self.device = getattr(inner, "device", torch.device("cpu"))
         self.n_collectives = 0
+        self.sent = [0] * self.world_size  # messages sent to each rank, since the start
+        self.received = [0] * self.world_size  # receives posted from each rank
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -77,14 +72,41 @@ class CheckedComm:
             "Lab 03.1: all-gather the encoded signatures; if any differ, raise on every rank"
         )
         # lab 03.1 end
+        self.check_messages(sig)
+
+    def check_messages(self, sig: str) -> None:
+        """Raise CommError on every rank if a message sent before this collective has no
+        receive posted for it: a later receive with its tag would take it, silently stale."""
+        p = self.world_size
+        rows = torch.empty((p, 2 * p), dtype=torch.int64, device=self.device)
+        self.inner.all_gather(rows, torch.tensor(self.sent + self.received, device=self.device))
+        rows = rows.cpu().tolist()  # rows[i] = (rank i's sends to each rank, receives from each)
+        unmatched = [
+            f"rank {i} sent rank {j} {rows[i][j]} messages, rank {j} posted {rows[j][p + i]} "
+            f"receives from rank {i}"
+            for i in range(p)
+            for j in range(p)
+            if rows[i][j] != rows[j][p + i]
+        ]
+        if unmatched:
+            raise CommError(
+                f"before collective #{self.n_collectives} ({sig}) on {self.backend}: "
+                + "; ".join(unmatched)
+                + ": every message must be received before the next collective (debug mode)"
+            )
 
     # point-to-point: a header message first, checked by the receiver at wait()
 
     def isend(self, t, dst, tag=0):
-        self.inner.isend(_header(t, self.device), dst, tag).wait()
-        return self.inner.isend(t, dst, tag)
+        # both sends start before either is waited on: a blocking header would make any
+        # exchange where both sides send first hang on Gloo, whose sends wait for their receive
+        head_work = self.inner.isend(_header(t, self.device), dst, tag)
+        data_work = self.inner.isend(t, dst, tag)
+        self.sent[dst] += 1
+        return _Both(head_work, lambda: None, data_work)
 
     def irecv(self, t, src, tag=0):
+        self.received[src] += 1
         head = torch.empty(2, dtype=torch.int64, device=self.device)
         head_work = self.inner.irecv(head, src, tag)
         data_work = self.inner.irecv(t, src, tag)

@@ -10,6 +10,13 @@ Two traps, both handled here so no caller ever gets wrong numbers:
   rank computes bitwise the same result.
 GPU tensors are staged through host memory (the pip MPICH is not CUDA-aware); use `nccl` for GPUs.
 
+No wrong numbers from a mismatch either. A message's MPI tag is the user's tag times 16 plus
+its dtype's code, so an int32 message never lands in a float32 buffer of the same size; MPI
+itself reports a message of another size (`Get_count`, truncation). A receive that waits while
+a message with its tag but another dtype is pending says so (probed in the slow phase of the
+wait). Before every collective the ranks agree on its signature (`_agree`): one all-reduce of
+two integers, then the payload.
+
 Every operation is non-blocking underneath (Isend, Iallreduce, ...) and waited on by polling,
 so every wait has a timeout that names the rank, operation, sequence number and peer.
 
@@ -24,16 +31,30 @@ import torch
 
 from .protocol import (
     DEFAULT_TIMEOUT,
+    DTYPE_CODE,
+    DTYPES,
+    SIG_BYTES,
     CallbackWork,
     CommError,
+    SelfMessages,
+    agree,
     check_gather,
     check_op,
     check_peer,
+    check_tag,
     describe,
+    dtype_name,
     flat_bytes,
     poll_until,
     reduce_rows,
+    signature,
 )
+
+CODES = 16  # wire tag = tag * CODES + dtype code: MAX_TAG * CODES stays below MPICH's TAG_UB
+
+
+def _wire_tag(tag: int, dtype: torch.dtype) -> int:
+    return tag * CODES + DTYPE_CODE.get(dtype, len(DTYPES))
 
 
 @functools.cache  # the import is cheap only the first time; every message asks for MPI
@@ -61,19 +82,24 @@ def _native_type(dtype: torch.dtype):
 class _RequestWork:
     """One MPI request, waited on with a timeout; `status` tells a receive's size."""
 
-    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None):
+    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None, stuck=None):
         self.comm, self.request, self.what, self.seq, self.peer = comm, request, what, seq, peer
         self.status = _mpi().Status()  # one per operation: polling allocates nothing
         self.done = False
+        self.stuck = stuck  # called while a wait drags on: may raise to say why
 
     def is_completed(self) -> bool:
         if not self.done:
-            self.done = self.request.Test(self.status)
+            try:
+                self.done = self.request.Test(self.status)
+            except _mpi().Exception as e:  # e.g. a message larger than the receive buffer
+                where = describe(self.comm, self.what, self.seq, self.peer)
+                raise CommError(f"{where}: {e.Get_error_string()}") from None
         return self.done
 
     def wait(self) -> None:
         describe_me = lambda: describe(self.comm, self.what, self.seq, self.peer)  # noqa: E731
-        poll_until(self.is_completed, self.comm.timeout, describe_me)
+        poll_until(self.is_completed, self.comm.timeout, describe_me, self.stuck)
 
 
 class MPIComm:
@@ -88,6 +114,8 @@ class MPIComm:
         self.world_size = self.mpi_comm.Get_size()
         self.timeout = timeout
         self.seq = 0
+        self.collectives = 0  # collectives issued: the number a mismatch is reported with
+        self.to_self = SelfMessages(self)
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, world_size={self.world_size})"
@@ -104,22 +132,30 @@ class MPIComm:
 
     # point-to-point: raw bytes, so every dtype (bf16, bool, ...) travels the same way
 
-    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> _RequestWork:
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0):
         check_peer(self, dst, "dst")
+        check_tag(self, tag)
         self.seq += 1
+        if dst == self.rank:
+            return self.to_self.send(t, tag)
         host = self._host(t)
-        req = self.mpi_comm.Isend([flat_bytes(host).numpy(), _mpi().BYTE], dst, tag)
+        wire = _wire_tag(tag, t.dtype)
+        req = self.mpi_comm.Isend([flat_bytes(host).numpy(), _mpi().BYTE], dst, wire)
         work = _RequestWork(self, req, f"send(tag={tag})", self.seq, dst)
         work.keep = host  # the buffer must outlive the request
         return work
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
         check_peer(self, src, "src")
+        check_tag(self, tag)
         self.seq += 1
+        if src == self.rank:
+            return self.to_self.recv(t, tag, self.seq)
         host = self._host(t)
         buf = flat_bytes(host)
-        req = self.mpi_comm.Irecv([buf.numpy(), _mpi().BYTE], src, tag)
+        req = self.mpi_comm.Irecv([buf.numpy(), _mpi().BYTE], src, _wire_tag(tag, t.dtype))
         work = _RequestWork(self, req, f"recv(tag={tag})", self.seq, src)
+        work.stuck = lambda: self._other_dtype(t, src, tag, work)
 
         def finish():
             got = work.status.Get_count(_mpi().BYTE)
@@ -131,6 +167,23 @@ class MPIComm:
             self._back(host, t)()
 
         return CallbackWork(work, finish)
+
+    def _other_dtype(self, t: torch.Tensor, src: int, tag: int, work: _RequestWork) -> None:
+        """Raise CommError if src has sent a message with this tag but another dtype: its wire
+        tag differs, so it would never match this receive (probing costs only while waiting).
+        The receive is cancelled first: left posted, it would take a later message."""
+        status, mine = _mpi().Status(), _wire_tag(tag, t.dtype)
+        for code in range(CODES):
+            wire = tag * CODES + code
+            if wire != mine and self.mpi_comm.Iprobe(src, wire, status):
+                work.request.Cancel()
+                work.request.Wait()
+                size = DTYPES[code].itemsize if code < len(DTYPES) else 1
+                raise CommError(
+                    f"{describe(self, f'recv(tag={tag})', work.seq, src)}: rank {src} sent "
+                    f"{status.Get_count(_mpi().BYTE) // size} x {dtype_name(code)}, this rank "
+                    f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
+                )
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(t, dst, tag).wait()
@@ -144,6 +197,7 @@ class MPIComm:
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
         check_op(op, t.dtype)
         self.seq += 1
+        self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})")
         host = self._host(t)
         mpi_type = _native_type(t.dtype)
         if mpi_type is None:  # no MPI reduction for this dtype: gather bytes, fold in torch
@@ -170,6 +224,7 @@ class MPIComm:
         check_op(op, inp.dtype)
         check_gather(out, inp, self.world_size, "reduce_scatter")
         self.seq += 1
+        self._agree(signature("reduce_scatter", inp, op=op), f"reduce_scatter(op={op})")
         src, dst = self._host(inp), self._host(out)
         mpi_type = _native_type(inp.dtype)
         MPI = _mpi()
@@ -199,6 +254,7 @@ class MPIComm:
     def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
         check_gather(out, inp, self.world_size, "all_gather")
         self.seq += 1
+        self._agree(signature("all_gather", inp), "all_gather")
         src, dst = self._host(inp), self._host(out)
         MPI = _mpi()
         req = self.mpi_comm.Iallgather(
@@ -212,6 +268,7 @@ class MPIComm:
         check_peer(self, src, "src")
         self.seq += 1
         host = self._host(t)
+        self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})")
         req = self.mpi_comm.Ibcast([flat_bytes(host).numpy(), _mpi().BYTE], root=src)
         work = _RequestWork(self, req, f"broadcast(src={src})", self.seq, src)
         return CallbackWork(work, self._back(host, t))
@@ -234,7 +291,24 @@ class MPIComm:
 
     def barrier(self) -> None:
         self.seq += 1
-        _RequestWork(self, self.mpi_comm.Ibarrier(), "barrier", self.seq).wait()
+        self._agree("barrier()", "barrier")  # an all-reduce: no rank leaves before all arrive
+
+    def _agree(self, sig: str, what: str) -> None:
+        """protocol.agree over MPI, which would match the payloads by order alone."""
+        MPI = _mpi()
+
+        def max_pair(pair: torch.Tensor) -> torch.Tensor:
+            req = self.mpi_comm.Iallreduce(MPI.IN_PLACE, [pair.numpy(), MPI.INT64_T], MPI.MAX)
+            _RequestWork(self, req, what, self.seq).wait()
+            return pair
+
+        def gather(row: torch.Tensor) -> torch.Tensor:
+            rows = torch.empty((self.world_size, SIG_BYTES), dtype=torch.uint8)
+            req = self.mpi_comm.Iallgather([row.numpy(), MPI.BYTE], [rows.numpy(), MPI.BYTE])
+            _RequestWork(self, req, what, self.seq).wait()
+            return rows
+
+        agree(self, sig, max_pair, gather)
 
     def split(self, color: int) -> MPIComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""

@@ -16,13 +16,19 @@ Conventions shared by every backend (and asserted by tests/test_comm.py):
 - op is one of "sum", "avg", "max", "min". "avg" needs a floating dtype. bool reduces as
   logical or (sum, max) and logical and (min).
 - A tensor handed to an `i`-operation must not be touched until its `wait()` returns.
+- Tags are 0 .. MAX_TAG-1. A receive gets a message of its own element count and dtype, or
+  `CommError` naming both sides; ranks that call a collective with different shapes, dtypes,
+  ops or roots get `CollectiveMismatch` on every rank. Never wrong numbers. A send to self is
+  buffered; a receive from self with nothing sent fails at once.
 - Every blocking wait has a timeout (seconds, `comm.timeout`); when it fires, `CommTimeout`
   names the rank, the operation, its sequence number on this comm and the peer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +36,15 @@ import torch
 
 OPS = ("sum", "avg", "max", "min")
 DEFAULT_TIMEOUT = 60.0
+# every dtype a message can carry, by code: backends put the code on the wire (in the tag or a
+# header), so a receiver can tell an int32 message from a float32 one of the same size
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}  # any other dtype: len(DTYPES)
+MAX_TAG = 1 << 24  # user tags are 0 .. MAX_TAG-1: backends keep the bits above for themselves
+SIG_BYTES = 160  # a signature's text travels in this many bytes
 
 
 class CommError(RuntimeError):
@@ -114,6 +129,40 @@ class CallbackWork:
         return self.finish is None or self.inner.is_completed()
 
 
+class SelfMessages:
+    """The messages a rank sends to itself, by tag, kept in this process.
+
+    No library delivers a message to self without a receive already posted (Gloo not at all),
+    and a blocking send to self would wait for a receive that comes after it. So a send to self
+    is buffered here, and a receive from self takes the oldest message with its tag or fails at
+    once: nobody else can send it, waiting for the timeout would only hide the bug.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.boxes: dict[int, deque] = {}
+
+    def send(self, t: torch.Tensor, tag: int) -> DoneWork:
+        self.boxes.setdefault(tag, deque()).append(t.detach().clone())
+        return DoneWork()
+
+    def recv(self, t: torch.Tensor, tag: int, seq: int) -> CallbackWork:
+        return CallbackWork(DoneWork(), lambda: self._take(t, tag, seq))
+
+    def _take(self, t: torch.Tensor, tag: int, seq: int) -> None:
+        where = describe(self.comm, f"recv(tag={tag})", seq, self.comm.rank)
+        box = self.boxes.get(tag)
+        if not box:
+            raise CommError(f"{where}: a receive from self, and this rank sent itself no message")
+        msg = box.popleft()
+        if msg.numel() != t.numel() or msg.dtype != t.dtype:
+            raise CommError(
+                f"{where}: the message holds {msg.numel()} x {msg.dtype}, "
+                f"the buffer {t.numel()} x {t.dtype}"
+            )
+        t.copy_(msg.reshape(t.shape))
+
+
 def describe(comm, what: str, seq: int, peer: int | None = None) -> str:
     """The words every error uses: 'rank 1 of 4 (mpi): recv #7 from peer 0'."""
     where = f"rank {comm.rank} of {comm.world_size} ({comm.backend})"
@@ -121,14 +170,17 @@ def describe(comm, what: str, seq: int, peer: int | None = None) -> str:
     return f"{where}: {what} #{seq}{with_peer}"
 
 
-def poll_until(done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+def poll_until(
+    done: Callable[[], bool], timeout: float, what: Callable[[], str], stuck=None
+) -> None:
     """Poll `done()` until it is true; CommTimeout after `timeout` seconds.
 
     Three phases. Spin: small messages complete within microseconds. Then yield (sleep(0))
     between polls for up to 50 ms: MPI advances a non-blocking operation only while it is
     polled, so long sleeps would stall every round of a large collective, while yielding
     still lets a peer that shares this core run. Then back off to 1 ms sleeps: a long wait
-    (a straggler, a hang on its way to the timeout) should not burn a core.
+    (a straggler, a hang on its way to the timeout) should not burn a core. In that last phase
+    `stuck()`, if given, runs before each sleep: it may raise to explain why nothing comes.
     """
     for _ in range(200):
         if done():
@@ -139,6 +191,8 @@ def poll_until(done: Callable[[], bool], timeout: float, what: Callable[[], str]
         now = time.monotonic()
         if now > deadline:
             raise CommTimeout(f"{what()} timed out after {timeout:g}s")
+        if now >= patient and stuck is not None:
+            stuck()
         time.sleep(0 if now < patient else 1e-3)
 
 
@@ -149,6 +203,17 @@ def check_peer(comm, peer: int, name: str) -> None:
             f"{name}={peer!r} is out of range for world_size={comm.world_size} "
             f"(rank {comm.rank}, {comm.backend})"
         )
+
+
+def check_tag(comm, tag: int) -> None:
+    """Raise ValueError unless 0 <= tag < MAX_TAG."""
+    if not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
+        raise ValueError(f"tag={tag!r} is out of range 0..{MAX_TAG - 1} (rank {comm.rank})")
+
+
+def dtype_name(code: int) -> str:
+    """The dtype a wire code stands for, as the errors print it."""
+    return str(DTYPES[code]) if 0 <= code < len(DTYPES) else "an unlisted dtype"
 
 
 def check_op(op: str, dtype: torch.dtype) -> None:
@@ -203,6 +268,39 @@ def signature(name: str, t: torch.Tensor | None, **extra) -> str:
     parts = [] if t is None else [f"shape={tuple(t.shape)}", str(t.dtype).replace("torch.", "")]
     parts += [f"{k}={v}" for k, v in extra.items()]
     return f"{name}({', '.join(parts)})"
+
+
+def signature_key(sig: str) -> int:
+    """A 56-bit number for a signature text, the same in every process (unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little")
+
+
+def encode_signature(sig: str) -> torch.Tensor:
+    """sig as SIG_BYTES bytes (uint8), zero-padded, for an all-gather."""
+    raw = sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_signature(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def agree(comm, sig: str, max_pair: Callable, gather: Callable) -> None:
+    """Return once every rank of comm has called the collective `sig`; else raise
+    CollectiveMismatch on every rank, naming who called what, before any payload moves.
+
+    max_pair(pair) all-reduces the int64 tensor (k, -k) with max, in place, k the signature's
+    56-bit key: the ranks agree iff max k == -max(-k), i.e. max k == min k. One small
+    all-reduce per collective; only on a mismatch, gather(row) all-gathers the texts as a
+    (world_size, SIG_BYTES) uint8 tensor. comm.collectives numbers the collectives.
+    """
+    comm.collectives += 1
+    key = signature_key(sig)
+    high, low = max_pair(torch.tensor([key, -key])).tolist()
+    if high == -low:
+        return
+    sigs = [decode_signature(row) for row in gather(encode_signature(sig)).cpu()]
+    raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
 
 
 def mismatch_message(comm, seq: int, sigs: list[str]) -> str:

@@ -5,6 +5,10 @@ anywhere (also across machines without MPI); NCCL is what GPUs use (one rank per
 
 Every operation is issued asynchronously (`async_op=True`) and waited on with this comm's
 timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number and peer.
+No wrong numbers from a mismatch (Gloo fills a larger receive buffer silently, aborts on a
+smaller one, matches collectives by order alone): messages travel framed with their count and
+dtype (`_frame`, `_unframe`), and every collective starts with `_agree`.
+
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
 should end, which is what the launcher does). And Gloo's point-to-point receives report
 `is_completed()` only once `wait()` has run: wait on them, do not poll them.
@@ -17,25 +21,36 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import socket
 import time
 import weakref
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from .protocol import (
     DEFAULT_TIMEOUT,
+    DTYPE_CODE,
+    DTYPES,
+    SIG_BYTES,
     CallbackWork,
     CommError,
     CommTimeout,
-    DoneWork,
     PeerFailed,
+    SelfMessages,
+    agree,
     check_gather,
     check_op,
     check_peer,
+    check_tag,
     describe,
+    dtype_name,
+    flat_bytes,
+    signature,
 )
+
+HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
+CLASSES = 64  # wire tag = tag * CLASSES + size class: MAX_TAG * CLASSES fits Gloo's 32 bits
 
 _OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 # newer torch renamed the flat-tensor collectives; use whichever this torch has
@@ -67,15 +82,13 @@ def init_process_group(
         torch.cuda.set_device(device)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
+    wait = datetime.timedelta(seconds=timeout + 30)  # ours fires first and names the operation
     try:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world_size,
-            # our own timeout fires first and names the operation; this one is the backstop
-            timeout=datetime.timedelta(seconds=timeout + 30),
-        )
+        store = _store(rank, world_size, addr, port, wait)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=wait)  # fmt: skip
+    except CommError:
+        raise
     except RuntimeError as e:  # torch raises DistStoreError, a RuntimeError, after the timeout
         raise CommTimeout(
             f"rank {rank} of {world_size} ({backend}): rendezvous at tcp://{addr}:{port} failed "
@@ -84,6 +97,29 @@ def init_process_group(
         ) from e
     atexit.register(close_all)
     return TorchDistComm(None, backend, device, timeout)
+
+
+def _store(rank: int, world_size: int, addr: str, port: int, wait):
+    """The rendezvous store at addr:port. Rank 0 serves it on a socket it binds itself to addr
+    alone (so a local job, MASTER_ADDR=127.0.0.1, is not reachable from other hosts), and a
+    port already taken, by another job's store say, is an error at once, not a timeout."""
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, wait)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((addr, port))
+    except OSError as e:
+        listener.close()
+        raise CommError(
+            f"rank 0 of {world_size}: cannot serve the rendezvous at {addr}:{port}: "
+            f"{e.strerror}. Another job may hold the port: give each job its own MASTER_PORT "
+            f"(minidist run picks a free one)"
+        ) from None
+    listener.listen(max(world_size, 1))
+    port = listener.getsockname()[1]  # port 0 (a world of one): the one the OS chose
+    fd = listener.detach()  # the store owns the socket from here on
+    return dist.TCPStore(addr, port, world_size, True, wait, master_listen_fd=fd)
 
 
 _split_comms: weakref.WeakSet = weakref.WeakSet()  # the comms split from the world: see close_all
@@ -111,6 +147,7 @@ class _TorchWork:
     def __init__(self, comm: TorchDistComm, work, what: str, seq: int, peer=None):
         self.comm, self.work, self.what, self.seq, self.peer = comm, work, what, seq, peer
         self.done = False
+        self.hint = ""  # said after "timed out": what a wait this long may mean
 
     def is_completed(self) -> bool:
         return self.done or self.work.is_completed()
@@ -124,7 +161,9 @@ class _TorchWork:
         except RuntimeError as e:
             where = describe(self.comm, self.what, self.seq, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
-                raise CommTimeout(f"{where} timed out after {self.comm.timeout:g}s") from e
+                raise CommTimeout(
+                    f"{where} timed out after {self.comm.timeout:g}s{self.hint}"
+                ) from e
             raise PeerFailed(f"{where} failed: {e}") from e
         self.done = True
 
@@ -140,7 +179,9 @@ class TorchDistComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.seq = 0
-        self.to_self: dict[int, deque] = {}  # tag -> messages this rank sent to itself
+        self.collectives = 0  # collectives issued: the number a mismatch is reported with
+        self.to_self = SelfMessages(self)
+        self.sending: list[_TorchWork] = []  # sends not yet waited for (see isend)
 
     def __repr__(self) -> str:
         return f"TorchDistComm({self.backend}, rank={self.rank}, world_size={self.world_size})"
@@ -168,44 +209,48 @@ class TorchDistComm:
     def _back(self, dense: torch.Tensor, t: torch.Tensor):
         return (lambda: None) if dense is t else (lambda: t.copy_(dense))
 
-    # point-to-point
+    # point-to-point: every message framed (see _frame), messages to self kept here
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> CallbackWork:
         check_peer(self, dst, "dst")
+        check_tag(self, tag)
         self.seq += 1
-        if dst == self.rank:  # Gloo cannot send to itself: keep the message here
-            self.to_self.setdefault(tag, deque()).append(t.detach().clone())
-            return CallbackWork(DoneWork(), lambda: None)
-        dense = self._dense(t).reshape(-1)  # 0-d tensors travel as one element
-        what = f"send(tag={tag})"
-        work = self._issue(
-            what, dst, dist.isend, dense, self._global(dst), group=self.group, tag=tag
-        )
-        return self._work(work, what, dst)
+        if dst == self.rank:  # Gloo cannot send to itself
+            return self.to_self.send(t, tag)
+        frame, what = _frame(t), f"send(tag={tag})"
+        work = self._issue(what, dst, dist.isend, frame, self._global(dst), group=self.group,
+                           tag=tag * CLASSES + _size_class(t))  # fmt: skip
+        done = self._work(work, what, dst)
+        # a Gloo send whose Work is freed before it completes is dropped: keep every send until
+        # it is waited for, so a sender that raises (or forgets) still delivers what it started
+        self.sending = [w for w in self.sending if not w.done] + [done.inner]
+        return done
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
         check_peer(self, src, "src")
+        check_tag(self, tag)
         self.seq += 1
         if src == self.rank:
-            return CallbackWork(DoneWork(), lambda: self._recv_self(t, tag, self.seq))
-        dense = self._dense(t)
-        what, flat = f"recv(tag={tag})", dense.reshape(-1)
-        work = self._issue(
-            what, src, dist.irecv, flat, self._global(src), group=self.group, tag=tag
-        )
-        return self._work(work, what, src, self._back(dense, t))
+            return self.to_self.recv(t, tag, self.seq)
+        k, what, seq = _size_class(t), f"recv(tag={tag})", self.seq
+        frame = torch.empty(1 << k, dtype=torch.uint8, device=t.device)  # any frame of class k
+        work = self._issue(what, src, dist.irecv, frame, self._global(src), group=self.group,
+                           tag=tag * CLASSES + k)  # fmt: skip
+        done = self._work(work, what, src, lambda: self._unframe(frame, t, src, tag, seq))
+        done.inner.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
+        return done
 
-    def _recv_self(self, t: torch.Tensor, tag: int, seq: int) -> None:
-        box = self.to_self.get(tag)
-        if not box:  # nothing can arrive later: only this rank sends to itself
-            raise CommError(f"{describe(self, f'recv(tag={tag})', seq, self.rank)}: no message")
-        msg = box.popleft()
-        if msg.numel() != t.numel() or msg.dtype != t.dtype:
+    def _unframe(self, frame: torch.Tensor, t: torch.Tensor, src: int, tag: int, seq: int):
+        """Check a received frame's header against t, then copy its payload into t."""
+        numel, code = frame[:HEADER_BYTES].view(torch.int64).tolist()
+        if numel != t.numel() or code != DTYPE_CODE.get(t.dtype, len(DTYPES)):
             raise CommError(
-                f"{describe(self, 'recv', seq, self.rank)}: the message holds "
-                f"{msg.numel()} x {msg.dtype}, the buffer {t.numel()} x {t.dtype}"
+                f"{describe(self, f'recv(tag={tag})', seq, src)}: rank {src} sent {numel} x "
+                f"{dtype_name(code)}, this rank expects {t.numel()} x {t.dtype} "
+                f"(shape {tuple(t.shape)})"
             )
-        t.copy_(msg.reshape(t.shape))
+        nbytes = t.numel() * t.element_size()
+        t.copy_(frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(t.dtype).reshape(t.shape))
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(t, dst, tag).wait()
@@ -219,6 +264,7 @@ class TorchDistComm:
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
         check_op(op, t.dtype)
         self.seq += 1
+        self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})")
         dense = self._dense(t)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
         work = self._issue("all_reduce", None, dist.all_reduce, dense, op=reduce_op,
@@ -235,6 +281,7 @@ class TorchDistComm:
         check_op(op, inp.dtype)
         check_gather(out, inp, self.world_size, "reduce_scatter")
         self.seq += 1
+        self._agree(signature("reduce_scatter", inp, op=op), f"reduce_scatter(op={op})")
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
         work = self._issue("reduce_scatter", None, _reduce_scatter_flat, dst.reshape(-1), src,
@@ -250,6 +297,7 @@ class TorchDistComm:
     def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
         check_gather(out, inp, self.world_size, "all_gather")
         self.seq += 1
+        self._agree(signature("all_gather", inp), "all_gather")
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src,
                            group=self.group, async_op=True)  # fmt: skip
@@ -259,6 +307,7 @@ class TorchDistComm:
         check_peer(self, src, "src")
         self.seq += 1
         dense = self._dense(t)
+        self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})")
         work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src),
                            group=self.group, async_op=True)  # fmt: skip
         return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
@@ -280,9 +329,27 @@ class TorchDistComm:
         return t
 
     def barrier(self) -> None:
-        # an all-reduce of one element rather than dist.barrier, which on NCCL needs a device
-        # guess; a barrier only needs every rank to arrive
-        self.all_reduce(torch.zeros(1, device=self.device))
+        self.seq += 1
+        self._agree("barrier()", "barrier")  # an all-reduce: no rank leaves before all arrive
+
+    def _agree(self, sig: str, what: str) -> None:
+        """protocol.agree over Gloo, which would return wrong numbers on some ranks, or abort."""
+
+        def run(start, *args, **kwargs) -> None:
+            work = self._issue(what, None, start, *args, group=self.group, async_op=True, **kwargs)
+            _TorchWork(self, work, what, self.seq).wait()
+
+        def max_pair(pair: torch.Tensor) -> torch.Tensor:
+            pair = pair.to(self.device)
+            run(dist.all_reduce, pair, op=dist.ReduceOp.MAX)
+            return pair
+
+        def gather(row: torch.Tensor) -> torch.Tensor:
+            rows = torch.empty((self.world_size, SIG_BYTES), dtype=torch.uint8, device=self.device)
+            run(_all_gather_flat, rows.view(-1), row.to(self.device))
+            return rows
+
+        agree(self, sig, max_pair, gather)
 
     def split(self, color: int) -> TorchDistComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""
@@ -305,6 +372,22 @@ class TorchDistComm:
         comm = TorchDistComm(group, self.backend, self.device, self.timeout)
         _split_comms.add(comm)
         return comm
+
+
+def _size_class(t: torch.Tensor) -> int:
+    """k such that t's frame fits in 2**k bytes but not in 2**(k-1): a receive takes any frame
+    of its class (a buffer of 2**k), so counts that differ less than that are named, not lost."""
+    return (HEADER_BYTES + t.numel() * t.element_size()).bit_length()
+
+
+def _frame(t: torch.Tensor) -> torch.Tensor:
+    """t as one message: HEADER_BYTES of (numel, dtype code) as int64, then t's bytes."""
+    nbytes = t.numel() * t.element_size()
+    frame = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=t.device)
+    head = torch.tensor([t.numel(), DTYPE_CODE.get(t.dtype, len(DTYPES))])
+    frame[:HEADER_BYTES] = head.view(torch.uint8)
+    frame[HEADER_BYTES:] = flat_bytes(t.detach().contiguous())
+    return frame
 
 
 def _groups_made() -> int:
