@@ -14,12 +14,13 @@ import sys
 
 from .launch import BACKENDS, launch, run_threads
 from .schedules import add_schedule_command
+from .watchdog import job_timeout
 
 
 def _run(args: argparse.Namespace) -> int:
     argv = [args.script, *args.args]
     if args.backend == "threads":
-        outcome = run_threads(argv, args.n)
+        outcome = run_threads(argv, args.n, job_timeout())
     else:
         outcome = launch(argv, args.n, args.backend)
     if outcome.returncode != 0:
