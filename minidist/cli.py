@@ -47,7 +47,7 @@ def command_problems(args: argparse.Namespace) -> list[str]:
     if args.command == "run":
         if not os.path.isfile(args.script):
             found.append(f"{args.script}: no such script")
-    if args.command == "run" and args.backend == "nccl":
+    if getattr(args, "backend", None) == "nccl":
         import torch  # only here: importing it costs the other commands a second
 
         if not torch.cuda.is_available():

@@ -205,17 +205,17 @@ class Watch:
         return Outcome(1, names[0], why + _stack_text(stacks.get(names[0], "")), how="hung")
 
     def _failed(self) -> Outcome:
-        """A rank failed: collect the stacks of the live ranks, give the cause 2 s to report
-        (a rank failing *because* a peer died may come first), then name the cause."""
-        live = [r for r in self.ranks if r.ended is None]
-        stacks = self.stacks(live)
+        """A rank failed: give the cause 2 s to report (a rank failing *because* a peer died
+        may come first); with none (only timeouts), take the live ranks' stacks (a rank that
+        timed out waits 5 s to be stopped, so the one it waited for is still alive); blame."""
         end = time.monotonic() + 2
         while time.monotonic() < end and not self._causes():
             self.poll()
             if all(r.ended is not None for r in self.ranks):
                 break
             time.sleep(0.02)
-        return self._blame(live, stacks)
+        live = [r for r in self.ranks if r.ended is None]
+        return self._blame(live, {} if self._causes() else self.stacks(live))
 
     def _causes(self) -> list[Rank]:
         """Ranks that failed on their own: a code != 0 of their own, a traceback (not a

@@ -107,7 +107,7 @@ def test_a_killed_rank_stops_the_rest_and_is_named(backend):
 
 DRILLS = [  # (what rank 1 does, backends, exit code, what the report must say)
     ("exit3", ("mpi", "threads"), 3, "rank 1 failed (exit code 3)"),
-    ("sleep", ("mpi", "gloo", "threads"), 1, "rank 1 hung (exit code 1)"),
+    ("sleep", ("mpi", "threads"), 1, "rank 1 hung (exit code 1)"),
     ("loop", ("gloo", "threads"), 1, "rank 1 hung (exit code 1)"),
     ("early", ("gloo",), 1, "rank 1 failed (exit code 1):\nTraceback"),
 ]
@@ -124,16 +124,17 @@ def test_the_watchdog_names_the_rank_that_exited_or_hung(what, backend, code, sa
     of the 3 s timeout, its exit code is the job's, and the launcher leaves no folder."""
     env = dict(os.environ, MINIDIST_TIMEOUT="3", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "3", "--backend", backend]
-    start = time.monotonic()
     out = subprocess.run([*cmd, str(SCRIPTS / "misbehave.py"), what], env=env,
-                         capture_output=True, text=True, timeout=90)  # fmt: skip
-    seconds, text = time.monotonic() - start, out.stdout + out.stderr
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    ended, text = time.time(), out.stdout + out.stderr
+    began = re.search(r"rank 1 misbehaves at ([\d.]+)", text)
+    seconds = ended - float(began.group(1)) if began else 0.0  # early: before it can print
     assert out.returncode == code, text
     assert f"minidist run: {says}" in text, text
     if "hung" in says:  # its stack, at the line where it loops
         assert re.search(r'misbehave.py", line 2\d,? in <module>', text), text
     assert "no traceback: killed" not in text
-    assert seconds < 40, f"took {seconds:.1f}s"
+    assert seconds < 3 + 12, f"the job ended {seconds:.1f}s after rank 1 misbehaved"
     assert not list(tmp_path.glob("minidist-*")), "the launcher left its folder"
 
 

@@ -19,6 +19,7 @@ if what == "early" and any(os.environ.get(v) == "1" for v in ("RANK", "PMI_RANK"
 comm = minidist.init()
 comm.barrier()
 if comm.rank == 1:
+    print(f"rank 1 misbehaves at {time.time():.3f}", flush=True)  # the test times from here
     if what == "exit3":
         sys.exit(3)
     while True:  # sleep and loop: never ends; only the watchdog ends it
