@@ -189,14 +189,16 @@ def launch(
     env: dict | None = None,
     timeout: float | None = None,
     done_marker=None,
+    linger: float | None = None,
 ) -> Outcome:
     """Run `python argv...` as n ranks over mpi or gloo; stop all when one fails or hangs.
 
     Each rank runs under the watchdog's wrapper (watchdog.py), which tells this launcher when
     it ends and with which code, and dumps its stack on request. timeout: seconds for the whole
     job (None: no limit); a rank still running MINIDIST_TIMEOUT seconds after another finished
-    is stopped as hung. done_marker(rank) -> bool, when given, tells which ranks finished their
-    work, so that a timeout names only the others.
+    is stopped as hung (linger: other seconds, e.g. inf where rank 0 works on alone on purpose).
+    done_marker(rank) -> bool, when given, tells which ranks finished their work, so that a
+    timeout names only the others.
     """
     if n < 1:
         raise ValueError(f"-n {n}: the number of ranks must be at least 1")
@@ -219,7 +221,8 @@ def launch(
                 rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
                 rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1")
                 procs.append(_start(wrapped, dict(rank_env, MASTER_PORT=str(port))))
-        watch = Watch(procs, n, backend, failures, job_timeout(base), deadline)
+        linger = job_timeout(base) if linger is None else linger
+        watch = Watch(procs, n, backend, failures, linger, deadline)
         outcome = watch.run() or Outcome(0)
         if outcome.timed_out and done_marker is not None:
             outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]
@@ -287,13 +290,15 @@ def _stop(procs) -> None:
             p.wait()
 
 
-def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
+def run_threads(
+    argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT, linger: float | None = None
+) -> Outcome:
     """Run the script `argv[0]` as n threads of this process, each with its own threads comm.
 
     The watchdog's rules, for threads: a failing rank aborts the world (the others wake with
-    PeerFailed); a rank still running 2 s after another failed, or `timeout` s after another
-    finished, is named hung with its stack. A thread cannot be killed: it is left behind (a
-    daemon thread, it ends with the process)."""
+    PeerFailed); a rank still running 2 s after another failed, or `linger` s (default:
+    timeout) after another finished, is named hung with its stack. A thread cannot be killed:
+    it is left behind (a daemon thread, it ends with the process)."""
     world = ThreadsWorld(n, timeout)
     errors: dict[int, tuple[int, str]] = {}  # rank -> (exit code, traceback)
     finished: dict[int, float] = {}  # rank -> when its thread ended
@@ -318,7 +323,7 @@ def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Ou
     try:
         for t in threads:
             t.start()
-        hung = _join(threads, errors, finished, timeout)
+        hung = _join(threads, errors, finished, timeout if linger is None else linger)
     finally:
         sys.argv = old_argv
     return _threads_outcome(threads, errors, finished, hung)

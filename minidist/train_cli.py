@@ -131,11 +131,13 @@ def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     argv = to_argv(args)
     n = config.layout.world_size
+    linger = math.inf if args.check else None  # --check: rank 0 trains alone after the rest
     if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], n)
+        outcome = run_threads([os.path.abspath(__file__), *argv], n, linger=linger)
     else:
         env = {"OMP_NUM_THREADS": "1"}  # one core per rank: ranks share this machine
-        outcome = launch(["-m", "minidist.train_cli", *argv], n, args.backend, env=env)
+        argv = ["-m", "minidist.train_cli", *argv]
+        outcome = launch(argv, n, args.backend, env=env, linger=linger)
     if outcome.returncode != 0:
         print(f"minidist train: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode
