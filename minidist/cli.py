@@ -20,7 +20,7 @@ from .watchdog import job_timeout
 
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
 MAY_BE_ZERO = {"warmup", "save_every", "stop_at", "seed", "zero", "staleness", "delay", "spike",
-               "chance", "compute", "target"}  # fmt: skip
+               "chance", "compute", "target", "weight_decay"}  # fmt: skip
 
 
 def numeric_problems(args: argparse.Namespace) -> list[str]:

@@ -13,6 +13,7 @@ args`), WRAPPER calling rank_main below. That small wrapper, in each rank, befor
 The launcher polls every 20 ms and stops the whole job when:
     a rank exits with a code != 0, dies by a signal, or leaves a traceback   -> that rank
     ranks time out waiting (CommTimeout) for a peer still running            -> the peer: hung
+        (unless its stack shows it waiting in a comm too: then the rank that timed out)
     a rank still runs `timeout` seconds after another finished cleanly       -> it: hung
 and names the rank that caused it, in this order: its own failure (the earliest), a rank that
 ended without a word (killed), a hung rank (with its stack), a rank that timed out, a rank that
@@ -238,7 +239,8 @@ class Watch:
         if waited:
             texts = {r.rank: _read(self._path(r, "txt")) for r in waited}
             peers = {int(p) for t in texts.values() for p in re.findall(r"with peer (\d+)", t)}
-            hung = [r for r in live if r.rank in peers] or live
+            silent = [r for r in live if not _in_comm(stacks.get(r.rank, ""))]
+            hung = [r for r in silent if r.rank in peers] or silent
             if hung:
                 names = ", ".join(str(r.rank) for r in waited)
                 last = texts[waited[0].rank].strip().splitlines()[-1]
@@ -263,6 +265,13 @@ class Watch:
         if r.code is not None and r.code < 0:
             return f"(no traceback: killed by signal {-r.code})\n"
         return "(no traceback: it ended without one: killed?)\n"
+
+
+def _in_comm(stack: str) -> bool:
+    """Whether a faulthandler dump shows the main thread (the one that took the signal)
+    inside minidist's comm: waiting too, so not the rank that stopped making progress."""
+    main = stack.split("Current thread", 1)[-1].split("\n\n", 1)[0]
+    return f"{os.sep}minidist{os.sep}comm{os.sep}" in main
 
 
 def _stack_text(stack: str) -> str:
