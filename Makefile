@@ -6,8 +6,9 @@ PY     := $(VENV)/bin/python
 # override, e.g. make test TORCH='torch --index-url <your CPU wheel index>'.
 TORCH  ?= torch==2.13.0
 L      ?= 02
+DIR    ?= ../minidist-course
 
-.PHONY: test test-fast demo bench lab labs lint venv clean
+.PHONY: test test-fast demo bench lab labs handout lint venv clean
 
 venv: $(VENV)/.installed
 
@@ -37,13 +38,18 @@ bench: venv
 	$(VENV)/bin/minidist bench sgd -n 4 --backend mpi
 	$(VENV)/bin/minidist bench batch
 
-# grade a learner's lab: the lesson's tests, run against lessons/$(L)_*/lab.py
+# grade a learner's lab: a table of its tasks and points, from the lesson's tests run against
+# lessons/$(L)_*/lab.py; GRADE="--json out/$(L).json --junit out/$(L).xml" for an autograder
 lab: venv
-	$(PY) tools/labs.py grade $(L)
+	$(PY) tools/labs.py grade $(L) $(GRADE)
 
-# regenerate every lab.py from the reference modules
+# regenerate every lab.py from the reference modules; a lab holding work needs FORCE=1
 labs: venv
-	$(PY) tools/labs.py generate
+	$(PY) tools/labs.py generate $(if $(FORCE),--force)
+
+# the student's copy of the course, with no reference solution in it (instructor/grading.md)
+handout: venv
+	$(PY) tools/labs.py export $(DIR)
 
 lint: venv
 	$(VENV)/bin/ruff format --check minidist tests tools lessons

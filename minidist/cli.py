@@ -5,6 +5,7 @@ minidist run -n 4 --backend mpi script.py args...      start 4 ranks on this mac
 minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
 minidist bench dp|tp|pipeline|zero|sgd|batch ...            the techniques, measured
 minidist schedule --schedule 1f1b --stages 4 --microbatches 8   a pipeline schedule, drawn
+minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024   layouts, time, energy, cost
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     train_cli.add_parser(sub)
     add_schedule_command(sub)
+    from . import plan_cli
+
+    plan_cli.add_parser(sub)
     args = parser.parse_args(argv)
     found = numeric_problems(args) + command_problems(args)
     if args.command == "train":

@@ -13,8 +13,9 @@ Memory per rank: naive and recursive doubling N b extra, the ring 2 pieces (at m
 2 PIECE_BYTES) extra; N b more when the tensor is not contiguous (a contiguous copy).
 Ladder: naive (root folds in rank order) -> recursive_doubling (log2 p rounds, for small
 messages) -> ring_reduce_scatter + ring_all_gather = ring_all_reduce (bandwidth-optimal) ->
-all_reduce picks by size -> Launcher (start one without waiting: the library's own, or the
-ring on a worker thread, for techniques that overlap communication with compute).
+all_reduce picks by size -> hierarchical_all_reduce (1/g of the data across nodes; cluster.py
+prices it) -> Launcher (start one without waiting: the library's own, or the ring on a worker
+thread, for techniques that overlap communication with compute).
 Paper: Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
 MPICH" (IJHPCA 2005), sections 4.4-4.5; Patarasuk, Yuan, "Bandwidth optimal all-reduce
 algorithms for clusters of workstations" (JPDC 2009), section 3.
@@ -34,8 +35,7 @@ ALGORITHMS = ("naive", "recursive_doubling", "ring")
 # all_reduce(algorithm="auto") switches to the ring from this many bytes on. Measured with
 # `minidist bench allreduce -n 2 --backend mpi` on a 2-core machine: recursive doubling (1
 # exchange) beat the ring (2 steps) up to 1 MiB, they tied at 2 MiB, the ring won from 4 MiB.
-# Each message costs ~10 us of Python here, so fewer rounds win for long; with more ranks the
-# ring wins earlier (recursive doubling sends log2(p) N bytes per rank, the ring 2 (p-1)/p N)
+# With more ranks the ring wins earlier (log2(p) N bytes per rank against 2 (p-1)/p N)
 RING_FROM_BYTES = 2 << 20
 # the ring moves a chunk in pieces of at most this many bytes, received into two reused slots:
 # a scratch buffer as large as a chunk would be allocated, and page-faulted, on every call
@@ -307,6 +307,38 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
         if v + mask < p:
             comm.send(flat, (v + mask + src) % p)
         mask >>= 1
+    return _copy_back(t, flat)
+
+
+def node_comms(comm: Comm, ranks_per_node: int) -> tuple[Comm, Comm]:
+    """(node_comm, cross_comm): the ranks on this rank's node (rank // ranks_per_node) and those
+    in its place on every node. Collective (two splits): make them once, not per call."""
+    if ranks_per_node < 1 or comm.world_size % ranks_per_node:
+        raise ValueError(f"world_size={comm.world_size} is not divisible by {ranks_per_node=}")
+    node_comm = comm.split(comm.rank // ranks_per_node)
+    cross_comm = comm.split(comm.rank % ranks_per_node)
+    return node_comm, cross_comm
+
+
+def hierarchical_all_reduce(
+    t: torch.Tensor, node_comm: Comm, cross_comm: Comm, op: str = "sum"
+) -> torch.Tensor:
+    """All-reduce t in place, only a 1/g shard of it across nodes (g ranks a node, n nodes).
+
+    Each rank: t any shape, the same on every rank. Ring reduce-scatter in the node (local rank
+    l holds chunk l), ring all-reduce of chunk l among the n ranks holding it (cross_comm: the g
+    chunks cross the network at once, each on its own rank's link), ring all-gather in the node.
+    Sends 2 (g-1)/g N b in the node and 2 (n-1)/n N b / g across (the flat ring: 2 (p-1)/p N b).
+    """
+    check_op(op, t.dtype)
+    flat = _flat(t)  # (N,)
+    inner = "sum" if op == "avg" else op  # divide once, by p, after step 2
+    _ring_reduce_scatter_flat(flat, node_comm, inner)
+    lo, hi = chunk_bounds(flat.numel(), node_comm.world_size)[node_comm.rank]
+    ring_all_reduce(flat[lo:hi], cross_comm, inner)  # (N/g,) a view of flat: reduced in place
+    if op == "avg":  # before the all-gather: every rank gets the same quotients
+        flat[lo:hi].div_(node_comm.world_size * cross_comm.world_size)
+    _ring_all_gather_flat(flat, node_comm)
     return _copy_back(t, flat)
 
 

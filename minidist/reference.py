@@ -3,7 +3,8 @@
 it (local_parameters), and the difference.
 
 Equals: train_whole is the reference itself: nn.Sequential(whole_layers) on the whole batch,
-the same batches, AdamW, learning-rate schedule and precision as train.py's ranks.
+the same batches, AdamW (with the same weight-decay groups: train.decay_groups), learning-rate
+schedule and precision as train.py's ranks.
 Communication (whole_parameters, once): an all_gather over tp of each layer's slices and their
 element numbers, and one send per stage to stage 0 over pp, on replica 0.
 Memory: the whole model, in float64, on world rank 0.
@@ -22,7 +23,7 @@ from minidist import model as gpt
 from minidist.amp import LossScaler, MixedPrecisionOptimizer
 from minidist.data import batch_at, load_bytes
 from minidist.lr import WarmupDecay
-from minidist.train import DTYPES, Job, TrainConfig, make_optimizer
+from minidist.train import DTYPES, Job, TrainConfig, decay_groups, make_optimizer
 
 
 def whole_parameters(job: Job) -> list[torch.Tensor] | None:
@@ -121,11 +122,12 @@ def train_whole(config: TrainConfig, data=None, on_step: Callable | None = None)
     data = load_bytes() if data is None else data
     layers = gpt.whole_layers(config.model, DTYPES[config.dtype])
     model, opt = nn.Sequential(*layers), make_optimizer(config)
+    groups = lambda tensors: opt(decay_groups(model, tensors))  # noqa: E731  # as every rank
     if config.amp != "fp32":
         scaler = LossScaler(2.0**16) if config.amp == "fp16" else LossScaler(1.0, dynamic=False)
-        optimizer = MixedPrecisionOptimizer(model, opt, config.precision, scaler)
+        optimizer = MixedPrecisionOptimizer(model, groups, config.precision, scaler)
     else:
-        optimizer, scaler = opt(list(model.parameters())), LossScaler(1.0, dynamic=False)
+        optimizer, scaler = groups(None), LossScaler(1.0, dynamic=False)
     schedule = WarmupDecay(optimizer, config.warmup, config.steps)
     losses, skipped, start = [], [], time.perf_counter()
     for step in range(config.steps):

@@ -5,7 +5,7 @@ parameters (bitwise in the same layout; in another layout, as any two layouts ag
 1e-12). The batches depend only on (seed, step), so the data needs no state.
 Communication (save, once): per layer, an all_gather over tp of the values and the optimizer
 state with their element numbers (reference.whole_flat); each stage of replica 0 sends its
-layers to stage 0 (pp); ZeRO first consolidates over dp (zero3.consolidate). Load: none, but
+layers to stage 0 (pp); ZeRO first consolidates over dp (zero_state.consolidate). Load: none, but
 ZeRO's load_state_dict (rank 0 of dp sends each rank its pieces).
 Memory: the whole model and its optimizer state, in float64, on world rank 0 while saving.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train ... --save DIR, then --resume DIR
@@ -36,7 +36,7 @@ from minidist.train import Job
 
 MAGIC = b"minidist-checkpoint 1 sha256="
 KEYS = ("value", "exp_avg", "exp_avg_sq")  # per parameter element, in this order
-SAME_RUN = ("steps", "batch", "lr", "warmup", "seed")  # what a resumed run must share with it
+SAME_RUN = ("steps", "batch", "lr", "weight_decay", "warmup", "seed")  # a resumed run keeps these
 
 
 class CheckpointError(ValueError):

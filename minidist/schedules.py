@@ -348,19 +348,25 @@ def text_grid(timeline: Timeline | Rows) -> str:
 def draw_timeline(timeline: Timeline | Rows, path: str, title: str) -> None:
     """Draw a simulated Timeline, or measured (stage, start, end, label) rows, as a PNG at path."""
     from matplotlib.figure import Figure  # not pyplot: no global figure state, no GUI backend
+    from matplotlib.patches import Patch
 
+    measured = not (isinstance(timeline[0], list) and isinstance(timeline[0][0], tuple))
     rows = _rows(timeline)
     n_stages = 1 + max(r[0] for r in rows)
-    fig = Figure(figsize=(min(24, max(6, len(rows) / n_stages / 2)), 0.5 * n_stages + 1.2))
+    fig = Figure(figsize=(min(24, max(6, len(rows) / n_stages / 2)), 0.5 * n_stages + 1.5))
     ax = fig.subplots()
+    colours = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange"}
     for s, a, b, name in rows:
-        colour = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange"}.get(name[:1], "tab:gray")
-        ax.barh(s, b - a, left=a, color=colour, edgecolor="black")
+        ax.barh(s, b - a, left=a, color=colours.get(name[:1], "tab:gray"), edgecolor="black")
         ax.text((a + b) / 2, s, name, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
     ax.invert_yaxis()  # stage 0 on top, as in the papers' figures
-    ax.set(xlabel="time", title=f"{title}   (bubble {bubble_fraction(rows):.3f})")
-    fig.tight_layout()
+    names = ["F: forward", "B: backward (of the input only, where W is split off)", "W: weights"]
+    handles = [Patch(color=c) for c in colours.values()]
+    fig.legend(handles, names, loc="lower center", ncols=3, fontsize="small")
+    unit = "time (s)" if measured else "time (the cost of one forward = 1)"
+    ax.set(xlabel=unit, title=f"{title}   (bubble {bubble_fraction(rows):.3f})")
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # the legend's strip below
     fig.savefig(path, dpi=120)
 
 

@@ -1,10 +1,11 @@
 """3D parallelism: the small GPT of model.py trained with data, pipeline and tensor parallelism
 (plus ZeRO, mixed precision and checkpointing) composed in one place, in a fixed order.
 
-Equals: train_whole, the same model, batches, AdamW and learning-rate schedule in one process,
-the loss the mean over the whole batch. float64: losses and final parameters to 1e-12
-relative (tests/test_train.py); float32 about 1e-5 (sums in another order); bf16/fp16 with the
-reference run in the same precision, within that format's rounding.
+Equals: train_whole, the same model, batches, AdamW (weight decay on the weight matrices only:
+decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
+batch. float64: losses and final parameters to 1e-12 relative (tests/test_train.py); float32
+about 1e-5 (sums in another order); bf16/fp16 with the reference run in the same precision,
+within that format's rounding.
 Communication per step, per rank (m microbatches of b = B/(dp m) sequences of T tokens, D the
 width, L_s blocks on this stage, e bytes an activation element, Psi_s this stage's parameters
 per tp rank, f bytes a gradient element):
@@ -52,6 +53,7 @@ from minidist.mesh import Layout, Mesh, make_mesh
 from minidist.pipeline import PipelineStage, split_microbatches
 from minidist.schedules import NAMES, build_schedules
 from minidist.tensor_parallel import vocab_parallel_cross_entropy
+from minidist.tensor_parallel_blocks import VocabParallelEmbedding
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -72,6 +74,7 @@ class TrainConfig:
     steps: int = 50
     batch: int = 16  # sequences per step, over all dp ranks
     lr: float = 3e-3
+    weight_decay: float = 0.1  # AdamW's, on the weight matrices only (decay_groups)
     warmup: int = 5
     dtype: str = "float32"  # parameters and optimizer (float64: the tight check)
     seed: int = 0  # the batches; the model's seed is model.seed
@@ -122,6 +125,8 @@ class TrainConfig:
         if self.batch % self.dp or (self.batch // self.dp) % self.microbatches:
             found.append(f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
                          f"{self.microbatches}")  # fmt: skip
+        if self.weight_decay < 0:
+            found.append(f"weight_decay={self.weight_decay} is negative")
         if self.chunks > 1 and self.schedule != "interleaved":
             found.append(f"chunks={self.chunks} needs schedule='interleaved'")
         if self.pp * self.chunks > self.model.n_layers + 2:
@@ -143,8 +148,32 @@ class TrainConfig:
 
 
 def make_optimizer(config: TrainConfig):
-    """AdamW on any tensors: the optimizer of every variant (and of the reference)."""
-    return lambda tensors, **kw: torch.optim.AdamW(tensors, lr=config.lr, **kw)
+    """AdamW on any tensors or groups: the optimizer of every variant (and of the reference);
+    weight_decay is the default, which decay_groups turns off where GPT practice does."""
+    return lambda params, **kw: torch.optim.AdamW(
+        params, lr=config.lr, weight_decay=config.weight_decay, **kw
+    )
+
+
+EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # lookup tables, whole or cut over tp
+
+
+def decay_groups(module: nn.Module, tensors: list | None = None) -> list[dict]:
+    """AdamW's two groups over module's trainable parameters (or over tensors standing for
+    them, in the same order: amp's masters): the weight matrices of linear layers decay (the
+    optimizer's weight_decay); biases, LayerNorm weights and the token and position embeddings
+    do not (weight_decay 0), as GPT-2/3 and minGPT train (a table row is decayed every step
+    but gets a gradient only when its token appears). The rule reads each parameter's module
+    and dimensions, so the whole model and its tp slices split alike."""
+    params = [q for q in module.parameters() if q.requires_grad]
+    no_decay = {id(q) for m in module.modules() for q in m.parameters(recurse=False)
+                if q.dim() < 2 or isinstance(m, EMBEDDINGS)}  # fmt: skip
+    tensors = params if tensors is None else list(tensors)
+    decay = [id(q) not in no_decay for q in params]
+    return [
+        {"params": [t for t, d in zip(tensors, decay, strict=True) if d]},
+        {"params": [t for t, d in zip(tensors, decay, strict=True) if not d], "weight_decay": 0.0},
+    ]
 
 
 class Replicas:
@@ -158,6 +187,7 @@ class Replicas:
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, config: TrainConfig):
         self.module, self.config = nn.ModuleList(chunks), config
         precision, opt = config.precision, make_optimizer(config)
+        groups = lambda tensors: opt(decay_groups(self.module, tensors))  # noqa: E731
         scaler = LossScaler(2.0**16) if config.amp == "fp16" else LossScaler(1.0, dynamic=False)
         self.mp = self.dp = self.zero = None
         if config.zero:
@@ -166,6 +196,7 @@ class Replicas:
                 mesh.dp_comm,
                 opt,
                 config.zero,
+                param_groups=decay_groups(self.module),
                 precision=precision,
                 scaler=scaler,
                 overflow_comm=mesh.world,
@@ -173,12 +204,13 @@ class Replicas:
             self.optimizer, self.scaler = self.zero.optimizer, self.zero.scaler  # fmt: skip
         elif config.amp != "fp32":
             self.mp = MixedPrecisionOptimizer(
-                self.module, opt, precision, scaler, dp_comm=mesh.dp_comm, overflow_comm=mesh.world
-            )
+                self.module, groups, precision, scaler, dp_comm=mesh.dp_comm,
+                overflow_comm=mesh.world,
+            )  # fmt: skip
             self.optimizer, self.scaler = self.mp, scaler  # fmt: skip
         else:
             self.dp = DataParallelBucketed(self.module, mesh.dp_comm)
-            self.optimizer, self.scaler = opt(list(self.module.parameters())), scaler
+            self.optimizer, self.scaler = groups(None), scaler
         self.skipped: list[int] = []
 
     @property

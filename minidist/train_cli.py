@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=16, help="sequences per step, all dp ranks")
     p.add_argument("--lr", type=float, default=d.lr)
+    wd_help = "AdamW's, on weight matrices only (not biases, norms, embeddings)"
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=wd_help)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
     p.add_argument("--seed", type=int, default=0)

@@ -16,11 +16,11 @@ the paper's 2 + 2 + 12 bytes per element, and what this code holds: zero3.py.
 Ladder: partition (flat buffers cut into p equal shards) -> ZeRO1 (each rank steps only its
 shard of the optimizer state, then all-gathers the parameters) -> ZeRO2 (gradients
 reduce-scattered bucket by bucket during backward) -> ZeRO3 (zero3.py: parameters sharded,
-gathered layer by layer) -> clip_grad_norm_, state_dict / load_state_dict (any world size)
--> mixed precision (float32 master shards, loss scaling, a skip all ranks agree on).
+gathered layer by layer) -> clip_grad_norm_, param groups and state_dict / load_state_dict
+(any world size: zero_state.py) -> mixed precision (float32 master shards, loss scaling).
 Paper: Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion Parameter Models
-(SC 2020), sections 5 and 7.   Lesson: lessons/07_zero/.
-Run: minidist run -n 4 --backend mpi lessons/07_zero/demo.py
+(SC 2020), sections 5 and 7.   Lesson: lessons/07_zero/.   Run: minidist run -n 4 --backend mpi
+lessons/07_zero/demo.py
 
 Usage, any stage (mixed precision: add precision=BF16, or FP16 and scaler=LossScaler()):
 
@@ -37,6 +37,7 @@ Decisions a user must know:
   padded to a multiple of p, and rank r owns elements [r S, (r+1) S); a shard boundary may fall
   inside a parameter. The model's parameters become views into the flat buffers.
 - Frozen parameters and buffers stay whole on every rank, rank 0's at wrap time (broadcast).
+- param_groups (torch's list of dicts, naming parameters): each piece steps with its group's.
 - A parameter with no gradient on any rank keeps none (the optimizer skips it, as in one
   process); with no gradient on some ranks only, those count zero.
 - Gradient accumulation: call finish_gradient_sync() after each backward; shards accumulate.
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minidist import zero_state
 from minidist.amp import LossScaler, Precision, skip_step
 from minidist.collectives import Launcher
 
@@ -185,6 +187,7 @@ class ZeRO1(nn.Module):
         bucket_bytes: int | None = None,
         algorithm: str = "library",
         groups: list[list[nn.Parameter]] | None = None,
+        param_groups: list[dict] | None = None,
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
         overflow_comm=None,
@@ -211,9 +214,9 @@ class ZeRO1(nn.Module):
                 comm.broadcast(t.data, 0)
                 if precision is not None and t.is_floating_point():
                     t.data = t.data.to(precision.compute)  # the model runs in one dtype
-        tensors = [t for u in self.units for t in u.tensors]
-        # a rank whose shard is all padding gets one empty tensor: step() works everywhere
-        self.optimizer = optimizer(tensors or [torch.zeros(0)], **(optimizer_kwargs or {}))
+        self.optimizer, self.group_of = zero_state.make_optimizer(  # over this rank's pieces
+            module, self.units, optimizer, optimizer_kwargs, param_groups
+        )
         self.next_launch, self.in_flight, self.pending = 0, [], False
         for q in trainable:
             # fires once per backward, after q.grad holds this backward's full gradient
@@ -349,16 +352,12 @@ class ZeRO1(nn.Module):
         ]
 
     def state_dict(self, dst: int = 0) -> dict | None:
-        """The full state, consolidated on rank dst (None elsewhere): zero3.consolidate."""
-        from minidist import zero3  # zero3 builds on this module: imported when used
-
-        return zero3.consolidate(self, dst)
+        """The full state, consolidated on rank dst (None elsewhere): zero_state.consolidate."""
+        return zero_state.consolidate(self, dst)
 
     def load_state_dict(self, state: dict | None, src: int = 0) -> None:
-        """Load a consolidated state given on rank src, into a world of any size."""
-        from minidist import zero3
-
-        zero3.load_consolidated(self, state, src)
+        """Load a consolidated state given on rank src, into a world of any size and stage."""
+        zero_state.load_consolidated(self, state, src)
 
 
 class ZeRO2(ZeRO1):
@@ -385,9 +384,10 @@ class ZeRO2(ZeRO1):
 def wrap(module: nn.Module, dp_comm, optimizer, stage: int, optimizer_kwargs=None, **options):
     """ZeRO1, ZeRO2 or ZeRO3 (stage 1, 2, 3) around module over dp_comm.
 
-    optimizer: a torch optimizer class, or any callable(tensors, **optimizer_kwargs).
+    optimizer: a torch optimizer class, or any callable(tensors or groups, **optimizer_kwargs).
     options: algorithm ("library" or "ring"), bucket_bytes (1, 2), units (3: the modules whose
-    parameters are gathered together), precision, scaler, overflow_comm (mixed precision).
+    parameters are gathered together), param_groups (torch's list of dicts, naming parameters:
+    zero_state.py), precision, scaler, overflow_comm (mixed precision).
     """
     if stage == 3:
         from minidist.zero3 import ZeRO3  # zero3 builds on this module: import late

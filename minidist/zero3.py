@@ -1,5 +1,5 @@
-"""ZeRO-3: the parameters are sharded too, and gathered layer by layer just before they are used;
-and what needs every shard at once: the state consolidated on one rank, re-sharded, counted.
+"""ZeRO-3: the parameters are sharded too, gathered unit by unit just before they are used and
+freed after, never read while freed; and what it costs (the formulas, and counting the bytes).
 
 Equals: one process training on the whole batch with the same torch optimizer, float64 1e-12
 relative, as ZeRO1/ZeRO2 in zero.py (the ladder's first rungs and the shared machinery).
@@ -15,38 +15,52 @@ accumulation adds in float32 (model_state_nbytes with m = 4). ZeRO-1 also holds 
 unit's whole gradient in the reduce dtype during the sync (ZeRO-2's buckets bound that).
 Mixed precision communication: the two all-gathers move the compute dtype (bfloat16: half the
 bytes), the reduce-scatter the reduce dtype: (p-1)/p Psi (2 c + r) (sent_nbytes).
-Ladder: ZeRO1 -> ZeRO2 (zero.py) -> ZeRO3 (here: gather before use, free after, prefetch)
--> consolidate / load_consolidated (any stage; re-sharding into any world size; with mixed
-precision the float32 masters and the loss scaler's state).
+Ladder: ZeRO1 -> ZeRO2 (zero.py) -> ZeRO3 (here: gather before use, free after, prefetch; a
+freed parameter refuses to be read) -> the state consolidated and re-sharded (zero_state.py).
 Paper: Rajbhandari et al., ZeRO (SC 2020), section 5.3 (P_os+g+p) and 7.2; the same idea is
 PyTorch's FSDP (Zhao et al., VLDB 2023) with FULL_SHARD.   Lesson: lessons/07_zero/.
 Run: minidist run -n 4 --backend mpi lessons/07_zero/demo.py
 
-How a unit's parameters come and go (a unit: the parameters of one module, by default every
-module that owns trainable parameters; pass units=[blocks...] to gather whole blocks):
+How a unit's parameters come and go:
 
     forward pre-hook   gather unit i (waits for its prefetch), start gathering unit i+1
     forward hook       free unit i; hook its outputs: their gradient means backward reached it
     output grad hook   gather unit i again, start gathering unit i-1 (backward runs in reverse)
     post-accumulate    all of unit i's gradients are in: free it, reduce-scatter them (ZeRO-2)
 
+Which parameters a unit holds (unit_groups), as FSDP's root unit holds what no inner unit does:
+- The units: by default every module that owns trainable parameters and runs a forward of its
+  own, and always the root (the wrapped module); or units=[modules] and the root.
+- A parameter goes to the innermost unit that contains every module registering it. So the
+  parameters of a ParameterList / ParameterDict (containers: no forward, no hooks ever fire)
+  go to the nearest enclosing module that runs; a weight tied between two modules (registered
+  in both) goes to the unit around both uses; a parent's parameter that its children use is
+  the parent's, whole during the parent's whole forward.
+- What the rules cannot see, a parameter read outside its unit's forward (a parent reading a
+  child's weight without calling the child), finds it freed. A freed parameter wears the class
+  FreedParameter, whose __torch_function__ raises an error naming the parameter and its unit
+  for any torch operation that reads it (metadata: shape, dtype, grad, ... stay readable); so
+  such a read is an error, never a crash or garbage. The fix: units=[the module that reads it],
+  or read it inside gathered(). A module that returns a view of its own parameters is refused.
+
 Decisions a user must know:
 - Every rank must run the same modules in the same order (the gathers are collectives), as in
   FSDP. Data-dependent control flow that differs across ranks hangs; ZeRO-1/2 allow it.
-- A parameter is whole only inside its unit's module (and modules within it). A weight used
-  elsewhere (a tied embedding used by the output layer) needs a unit that holds both uses.
 - Prefetching guesses that modules run in registration order; a wrong guess costs bytes and
   memory until the step ends, never correctness. Frozen parameters stay whole (replicated).
+- Autograd's saved tensors are safe because a unit stays whole until all its gradients are in;
+  a parameter saved only outside any gradient path (x @ w.detach()) is not covered.
 """
 
 from __future__ import annotations
 
 import contextlib
-import pickle
+import functools
 from functools import partial
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from minidist.amp import LossScaler, Precision
 from minidist.zero import ZeRO2
@@ -66,19 +80,28 @@ class ZeRO3(ZeRO2):
         units: list[nn.Module] | None = None,
         algorithm: str = "library",
         prefetch: bool = True,
+        param_groups: list[dict] | None = None,
         precision: Precision | None = None,
         scaler: LossScaler | None = None,
         overflow_comm=None,
     ):
         modules, groups = unit_groups(module, units)  # forward order
         options = {"algorithm": algorithm, "groups": groups[::-1]}  # launched in backward order
-        options |= {"precision": precision, "scaler": scaler, "overflow_comm": overflow_comm}
-        super().__init__(module, comm, optimizer, optimizer_kwargs, **options)
+        options |= {"param_groups": param_groups, "precision": precision, "scaler": scaler}
+        super().__init__(module, comm, optimizer, optimizer_kwargs, overflow_comm=overflow_comm,
+                         **options)  # fmt: skip
         self.order = self.units[::-1]  # order[i]: the unit of modules[i]
         self.prefetch = prefetch
-        for i, m in enumerate(modules):
+        paths = {id(m): n for n, m in module.named_modules()}
+        names = {id(q): n for n, q in module.named_parameters()}
+        for i, (m, unit) in enumerate(zip(modules, self.order, strict=True)):
             m.register_forward_pre_hook(partial(self._before_forward, i))
             m.register_forward_hook(partial(self._after_forward, i))
+            unit.label = f"unit {i} ({paths[id(m)] or 'the root'}: {type(m).__name__})"
+            unit.classes = [type(q) for q in unit.params]
+            for q in unit.params:  # what a FreedParameterError names
+                q.zero3_name = f"parameter {names[id(q)]!r} of {unit.label}"
+            wear(unit, freed=True)  # _Unit freed the full buffer already
 
     def _start_gather(self, unit) -> None:
         """Start all-gathering the unit's shards (into a landing buffer: see _Unit)."""
@@ -95,6 +118,7 @@ class ZeRO3(ZeRO2):
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.flat.copy_(unit.landing)  # (p S,): every view (the parameters) sees it
             unit.gather_work = unit.landing = None
+            wear(unit, freed=False)
 
     def _free(self, unit) -> None:
         """Release the unit's full buffer. Views into it (the parameters, tensors autograd
@@ -103,6 +127,7 @@ class ZeRO3(ZeRO2):
             unit.gather_work.wait()
             unit.gather_work = unit.landing = None
         unit.flat.untyped_storage().resize_(0)
+        wear(unit, freed=True)
 
     def _before_forward(self, i: int, module, args) -> None:
         self._gather(self.order[i])
@@ -110,8 +135,13 @@ class ZeRO3(ZeRO2):
             self._start_gather(self.order[i + 1])  # overlaps with this unit's compute
 
     def _after_forward(self, i: int, module, args, output) -> None:
-        self._free(self.order[i])
-        outputs = output if isinstance(output, (tuple, list)) else [output]
+        unit, outputs = self.order[i], output if isinstance(output, (tuple, list)) else [output]
+        held = unit.flat.untyped_storage().data_ptr()
+        if held and any(torch.is_tensor(t) and t.untyped_storage().data_ptr() == held
+                        for t in outputs):  # fmt: skip
+            raise FreedParameterError(f"{unit.label} returned its own parameters (or a view of "
+                                      "them), which ZeRO-3 frees after the forward")  # fmt: skip
+        self._free(unit)
         for t in outputs:
             if torch.is_tensor(t) and t.requires_grad:
                 # fires when the output's gradient is ready: before this module's backward
@@ -158,38 +188,112 @@ class ZeRO3(ZeRO2):
                 self._free(unit)
 
 
+class FreedParameterError(RuntimeError):
+    """A ZeRO-3 parameter was read while its unit was freed."""
+
+
+# what a freed parameter still answers: metadata, gradients and hooks, never its values; and
+# autograd may name it (autograd.backward(..., inputs=), autograd.grad): what backward reads,
+# the saved tensors, stays whole until all the unit's gradients are in
+METADATA = {"shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "ndim", "grad_fn",
+            "layout", "names", "is_cuda", "is_meta", "is_sparse", "size", "dim", "numel",
+            "nelement", "element_size", "is_floating_point", "is_complex", "stride", "__len__",
+            "__hash__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+            "untyped_storage", "data_ptr", "storage_offset", "is_contiguous",
+            "backward"}  # fmt: skip
+
+
+def _refuse(cls, func, types, args=(), kwargs=None):
+    """__torch_function__ of a freed parameter: torch calls it for every operation, method and
+    attribute a parameter is handed to; metadata passes, anything that reads values raises."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # an attribute: func.__self__ names it (grad, data, T)
+        name = func.__self__.__name__
+    if name in METADATA or (name == "type" and len(args) == 1 and not kwargs):  # "torch...."
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    freed = [a.zero3_name for a in tree_leaves((args, kwargs)) if getattr(a, "zero3_freed", 0)]
+    raise FreedParameterError(
+        f"ZeRO-3: {(freed or ['a parameter'])[0]} was handed to {name or func} while its unit "
+        "is freed: a unit's parameters are whole only inside its module's forward and backward. "
+        "Name the module that reads it as a unit (units=[...]), or read it inside gathered()."
+    )
+
+
+@functools.cache
+def freed_class(cls: type) -> type:
+    """The class a parameter of class cls wears while its unit is freed (FreedParameter)."""
+    return type(f"Freed{cls.__name__}", (cls,), {"__torch_function__": classmethod(_refuse),
+                                                 "zero3_freed": True})  # fmt: skip
+
+
+FreedParameter = freed_class(nn.Parameter)
+
+
+def wear(unit, freed: bool) -> None:
+    """Give the unit's parameters the freed class (any read raises) or their own back."""
+    for q, cls in zip(unit.params, unit.classes, strict=True):
+        q.__class__ = freed_class(cls) if freed else cls
+
+
 def is_whole(unit) -> bool:
     """Whether the unit's full parameters are in memory now."""
     return unit.flat.untyped_storage().nbytes() > 0
 
 
+def runs(module: nn.Module) -> bool:
+    """Whether module has a forward of its own (containers such as ParameterList, ModuleList
+    have none: no forward hook of theirs ever fires)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def held(module: nn.Module):
+    """The parameters module registers itself or through containers below it."""
+    yield from module.parameters(recurse=False)
+    for child in module.children():
+        if not runs(child):
+            yield from held(child)
+
+
 def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
     """(unit modules, their trainable parameters) in forward (registration) order.
 
-    Units: the given modules and the root (which takes whatever no other unit holds), or by
-    default every module that owns trainable parameters itself. A parameter belongs to the
-    innermost unit that contains it; units left without parameters are dropped.
+    Units: the given modules, or by default every module that runs a forward of its own and
+    holds trainable parameters (itself or in containers below it); and the root. A parameter
+    belongs to the innermost unit that contains every module registering it (containers'
+    parameters go up to the module that runs; tied ones to the unit around both holders);
+    units left without any are dropped.
     """
-    owns = lambda m: any(q.requires_grad for q in m.parameters(recurse=False))  # noqa: E731
+    owns = lambda m: runs(m) and any(q.requires_grad for q in held(m))  # noqa: E731
+    paths = {id(m): n or "the root" for n, m in module.named_modules()}
+    idle = [f"{paths[id(m)]} ({type(m).__name__})" for m in units or [] if not runs(m)]
+    if idle:
+        raise ValueError(f"units {idle} never run a forward of their own: no hook would "
+                         "gather them; name the module whose forward uses them")  # fmt: skip
     picked = units if units is not None else [m for m in module.modules() if owns(m)]
     chosen = {id(m) for m in picked} | {id(module)}
     order = [m for m in module.modules() if id(m) in chosen]  # outer before inner
-    owner = {}
-    for k, m in enumerate(order):
-        for q in m.parameters():
-            owner[id(q)] = k  # a later (inner) unit takes it over
+    inside = [{id(x) for x in m.modules()} for m in order]
+    holders: dict[int, set] = {}  # id(parameter) -> ids of the modules that register it
+    for m in module.modules():
+        for q in m.parameters(recurse=False):
+            holders.setdefault(id(q), set()).add(id(m))
     groups = [[] for _ in order]
     for q in module.parameters():
         if q.requires_grad:
-            groups[owner[id(q)]].append(q)
+            around = [k for k in range(len(order)) if holders[id(q)] <= inside[k]]  # the root
+            groups[min(around, key=lambda k: len(inside[k]))].append(q)  # the innermost
     kept = [k for k in range(len(order)) if groups[k]]
+    if not runs(module) and groups[0]:
+        raise ValueError(f"{len(groups[0])} parameters belong to no module that runs: the root "
+                         f"{type(module).__name__} never runs a forward of its own")  # fmt: skip
     for k in kept:
         if len({(q.dtype, q.device) for q in groups[k]}) > 1:
             raise ValueError(f"unit {type(order[k]).__name__} mixes dtypes or devices")
     return [order[k] for k in kept], [groups[k] for k in kept]
 
 
-# ---- what needs every shard: accounting, consolidation, re-sharding ----------------------
+# ---- what it costs: the formulas, and the bytes a rank holds ----------------------------------
 
 
 def model_state_nbytes(
@@ -254,132 +358,3 @@ def storage_nbytes(tensors: list) -> int:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     seen.pop(0, None)  # freed or empty storages
     return sum(seen.values())
-
-
-def consolidate(zero, dst: int = 0) -> dict | None:
-    """The full state on rank dst, None on the others; every rank must call it.
-
-    {"model": {name: tensor}: every parameter and buffer, whole (like module.state_dict());
-     "optimizer": {name: {key: value}}: each trainable parameter's state as one process's
-     torch optimizer holds it; "elementwise": the keys held per element}. Each rank sends
-    dst its pieces (p2p, pickled); dst lays them side by side (merge_states). With mixed
-    precision the trainable parameters are the masters (precision.master: what the optimizer
-    steps) and "scaler" holds the loss scaler's state.
-    """
-    mine = [
-        (name, lo, hi, t.detach().cpu().clone(), _cpu(zero.optimizer.state.get(t, {})))
-        for name, lo, hi, t in zero.shard_pieces()
-    ]
-    if zero.comm.rank != dst:
-        _send_object(zero.comm, mine, dst)
-        return None
-    others = {r: _recv_object(zero.comm, r) for r in range(zero.comm.world_size) if r != dst}
-    shards = [mine if r == dst else others[r] for r in range(zero.comm.world_size)]
-    scaler = {"scaler": zero.scaler.state_dict()} if zero.mixed else {}
-    return merge_states(shards, zero.module) | scaler
-
-
-def merge_states(shards: list[list[tuple]], module: nn.Module) -> dict:
-    """The consolidated state from every rank's pieces (name, lo, hi, values, state)."""
-    trainable = {n: q for n, q in module.named_parameters() if q.requires_grad}
-    flat = {n: torch.zeros(q.numel(), dtype=q.dtype) for n, q in trainable.items()}
-    optim, elementwise = {}, set()
-    for pieces in shards:
-        for name, lo, hi, values, state in pieces:
-            if flat[name].dtype != values.dtype:  # mixed precision: the masters' dtype
-                flat[name] = flat[name].to(values.dtype)
-            flat[name][lo:hi] = values
-            for key, v in state.items():
-                entry = optim.setdefault(name, {})
-                if torch.is_tensor(v) and v.dim() > 0:  # a piece's elementwise state is 1-D
-                    elementwise.add(key)
-                    n = flat[name].numel()
-                    entry.setdefault(key, torch.zeros(n, dtype=v.dtype))[lo:hi] = v
-                else:  # per parameter (Adam's step): the same in each of its pieces
-                    entry[key] = v
-    model = {n: _cpu(t) for n, t in _whole(module).items()}
-    model |= {n: flat[n].view(q.shape) for n, q in trainable.items()}
-    for name, entry in optim.items():
-        for key in elementwise & entry.keys():
-            entry[key] = entry[key].view(trainable[name].shape)
-    return {"model": model, "optimizer": optim, "elementwise": sorted(elementwise)}
-
-
-def shard_state(state: dict, names: list[list[str]], pieces: list[list]) -> list[tuple]:
-    """The pieces (name, lo, hi, values, state) of a consolidated state that one rank owns:
-    names[k] are unit k's parameter names, pieces[k] that rank's Pieces of unit k."""
-    out = []
-    for unit_names, unit_pieces in zip(names, pieces, strict=True):
-        for c in unit_pieces:
-            name = unit_names[c.index]
-            state_here = state["optimizer"].get(name, {}).items()
-            kept = {k: _cut(v, c) if k in state["elementwise"] else v for k, v in state_here}
-            out.append((name, c.lo, c.hi, _cut(state["model"][name], c), kept))
-    return out
-
-
-def _cut(t: torch.Tensor, piece) -> torch.Tensor:
-    return t.reshape(-1)[piece.lo : piece.hi].clone()  # (hi - lo,)
-
-
-def load_consolidated(zero, state: dict | None, src: int = 0) -> None:
-    """Load a consolidated state (given on rank src) into a ZeRO object of any stage, in a
-    world of any size: src cuts each rank its pieces (shard_state) and sends them (p2p).
-    Mixed precision: the masters are loaded, the model gets them rounded; so is the scaler."""
-    comm = zero.comm
-    if comm.rank == src:
-        whole = {n: state["model"][n] for n in _whole(zero.module)}
-        for r in range(comm.world_size):
-            pieces = [u.plan.pieces(r) for u in zero.units]  # rank r's share of the same plan
-            part = (shard_state(state, zero.names, pieces), whole, state.get("scaler"))
-            if r == src:
-                mine = part
-            else:
-                _send_object(comm, part, r)
-    else:
-        mine = _recv_object(comm, src)
-    tensors = {(name, lo): t for name, lo, _, t in zero.shard_pieces()}
-    with torch.no_grad():
-        for name, lo, _, values, kept in mine[0]:
-            t = tensors[(name, lo)]
-            t.copy_(values)
-            # elementwise state goes to the parameter's device; Adam's step stays where it was
-            zero.optimizer.state[t] = {
-                k: v.to(t.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                for k, v in kept.items()
-            }
-        for name, t in _whole(zero.module).items():
-            t.copy_(mine[1][name])
-    if zero.mixed and mine[2] is not None:
-        zero.scaler.load_state_dict(mine[2])
-    zero._publish()  # the model takes the loaded values (mixed precision: rounded)
-
-
-def _whole(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What stays whole on every rank: frozen parameters and buffers, by name."""
-    frozen = {n: q.data for n, q in module.named_parameters() if not q.requires_grad}
-    return frozen | dict(module.named_buffers())
-
-
-def _cpu(x):
-    """A copy on the CPU of a tensor, or of each tensor in a dict (pickling, consolidating)."""
-    if isinstance(x, dict):
-        return {k: _cpu(v) for k, v in x.items()}
-    return x.detach().cpu().clone() if torch.is_tensor(x) else x
-
-
-def _send_object(comm, obj, dst: int) -> None:
-    """Send any picklable object: its length, then its bytes."""
-    device = getattr(comm, "device", torch.device("cpu"))
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    comm.send(torch.tensor([data.numel()], device=device), dst)
-    comm.send(data.to(device), dst)
-
-
-def _recv_object(comm, src: int):
-    device = getattr(comm, "device", torch.device("cpu"))
-    n = torch.zeros(1, dtype=torch.int64, device=device)
-    comm.recv(n, src)
-    data = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
-    comm.recv(data, src)
-    return pickle.loads(data.cpu().numpy().tobytes())

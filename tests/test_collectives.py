@@ -78,6 +78,39 @@ def reduce_expected(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     return out / len(xs) if op == "avg" else out  # "avg": one division of the exact sum
 
 
+def edged(x: torch.Tensor, seed: int, rank: int) -> torch.Tensor:
+    """x (integer-valued) with IEEE edge values at a few positions, for floating dtypes: zeros
+    of a sign that differs from rank to rank, +inf, and small multiples of the smallest
+    subnormal. The positions depend on the seed alone (the same on every rank), so every
+    reduction stays exact in any order: sums of signed zeros, of +inf with finite values, and
+    of a few subnormal multiples are exact. Which zero max/min keep depends on the order of
+    their operands: a collective that folds in a different order on different ranks gives
+    +0.0 on one rank and -0.0 on another."""
+    if not x.dtype.is_floating_point or x.numel() < 4:
+        return x
+    g = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 4, x.shape, generator=g)  # (...,): 0 keep, 1 zero, 2 inf, 3 tiny
+    mine = torch.Generator().manual_seed(seed * 1000 + rank)
+    sign = torch.randint(0, 2, x.shape, generator=mine).to(x.dtype) * 2 - 1  # -1 or +1
+    tiny = torch.finfo(x.dtype).smallest_normal * torch.finfo(x.dtype).eps  # least subnormal
+    units = torch.randint(-4, 5, x.shape, generator=mine).to(torch.float64) * tiny
+    x = torch.where(kind == 1, sign * 0.0, x)
+    x = torch.where(kind == 2, torch.full_like(x, float("inf")), x)
+    return torch.where(kind == 3, units.to(x.dtype), x)
+
+
+def same_bits_everywhere(comm, t: torch.Tensor) -> str:
+    """'' if t has the same bits on every rank (-0.0 and +0.0 differ), else what differs."""
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return ""
+    bits = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # bytes: gloo takes them
+    everyone = torch.empty(comm.world_size * bits.numel(), dtype=bits.dtype)
+    comm.all_gather(everyone, bits.contiguous())
+    rows = everyone.view(comm.world_size, -1)
+    differ = [i for i in range(comm.world_size) if not torch.equal(rows[i], rows[0])]
+    return f"bits differ from rank 0's on ranks {differ} (a signed zero?)" if differ else ""
+
+
 def valid(op: str, dtype: torch.dtype) -> bool:
     return op != "avg" or dtype.is_floating_point
 
@@ -98,7 +131,7 @@ def all_reduce_case(comm, algorithm, op, dtype, shape, seed, strided) -> None:
     """all_reduce(algorithm) of every rank's input, in place, equals the reduction of all."""
     C = impl("collectives")
     p, r = comm.world_size, comm.rank
-    xs = [integer_valued(shape, dtype, seed, rank=i) for i in range(p)]
+    xs = [edged(integer_valued(shape, dtype, seed, rank=i), seed, i) for i in range(p)]
     x, base = placed(xs[r], strided)
     context = f"all_reduce {algorithm} p={p} {shape} {dtype} op={op} strided={strided}"
     if not valid(op, dtype):
@@ -109,13 +142,15 @@ def all_reduce_case(comm, algorithm, op, dtype, shape, seed, strided) -> None:
     want = reduce_expected(xs, op)
     pairs = {"in place": (x, want), "returned": (out, want), "gaps": untouched(base, strided)}
     check_all(comm, pairs, context=context)
+    differ = same_bits_everywhere(comm, x)
+    verdict(comm, not differ, f"{context}: {differ}")
 
 
 def reduce_scatter_case(comm, op, dtype, shape, seed, strided) -> None:
     """ring_reduce_scatter: rank r gets chunk r (uneven sizes allowed) of the reduction."""
     C = impl("collectives")
     p, r = comm.world_size, comm.rank
-    xs = [integer_valued(shape, dtype, seed, rank=i) for i in range(p)]
+    xs = [edged(integer_valued(shape, dtype, seed, rank=i), seed, i) for i in range(p)]
     n = xs[0].numel()
     lo, hi = bounds(n, p, r)
     inp, inp_base = placed(xs[r], strided)
@@ -169,6 +204,8 @@ layouts = st.booleans()  # strided or not
 @pytest.mark.threads
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 8), st.sampled_from(ALL_REDUCE), ops, all_dtypes, shapes(), seeds, layouts)
+@example(4, "recursive_doubling", "max", torch.float32, (16,), 5, False)  # signed zeros, p = q
+@example(6, "recursive_doubling", "min", torch.bfloat16, (16,), 2, True)  # ... and p > q
 def test_all_reduce_threads(p, algorithm, op, dtype, shape, seed, strided):
     run_threads(all_reduce_case, p, algorithm, op, dtype, shape, seed, strided, **FAST)
 

@@ -196,13 +196,21 @@ def test_a_checkpoint_of_another_model_or_run_is_refused(tmp_path):
     other_run = TrainConfig(steps=9, batch=4, warmup=1, model=TINY)
     with pytest.raises(Exception, match="steps=4 there, 9 here"):
         run_threads(restore_into, 1, other_run)
+    other_decay = TrainConfig(steps=4, batch=4, warmup=1, weight_decay=0.0, model=TINY)
+    with pytest.raises(Exception, match="weight_decay=0.1 there, 0.0 here"):
+        run_threads(restore_into, 1, other_decay)
+    del payload["config"]["weight_decay"]  # a checkpoint from before the flag: decay everywhere
+    with pytest.raises(Exception, match="weight_decay=None there, 0.1 here"):
+        run_threads(restore_into, 1, TrainConfig(steps=4, batch=4, warmup=1, model=TINY))
 
 
 @pytest.mark.processes
 def test_cli_interrupted_then_resumed_in_another_layout_matches_one_process(tmp_path):
     """minidist train over gloo: stop at step 3 with a checkpoint (dp=2), resume it as tp=2
-    (every weight re-sliced) with --check: losses and parameters equal one process's full run."""
+    (every weight re-sliced) with --check: losses and parameters equal one process's full run;
+    --weight-decay reaches every rank, the one process and the checkpoint."""
     common = ["--steps", "6", "--batch", "8", "--dtype", "float64", "--d-model", "16",
+              "--weight-decay", "0.2",
               "--seq-len", "8", "--d-ff", "32", "--n-layers", "2", "--backend", "gloo",
               "--out", str(tmp_path / "out")]  # fmt: skip
     cli = [sys.executable, "-m", "minidist.cli", "train", *common]
@@ -214,6 +222,7 @@ def test_cli_interrupted_then_resumed_in_another_layout_matches_one_process(tmp_
     )
     assert first.returncode == 0, first.stderr
     assert resume.checkpoints(str(tmp_path)) == [str(tmp_path / "step-0000003.pt")]
+    assert resume.load(str(tmp_path / "step-0000003.pt"))["config"]["weight_decay"] == 0.2
     second = subprocess.run(cli + ["--tp", "2", "--microbatches", "2", "--resume",
                                    str(tmp_path), "--check", "--json"],
                             capture_output=True, text=True, timeout=240)  # fmt: skip

@@ -98,6 +98,24 @@ def test_bad_runs_are_refused_naming_every_number():
 
 
 @pytest.mark.pure
+def test_weight_decay_falls_on_the_weight_matrices_only():
+    """GPT practice: decay the linear layers' weight matrices; not biases, LayerNorms, or the
+    token and position embeddings. The same rule splits the whole model and its tp slices
+    alike (else test_train_threads, weight_decay 0.1 by default, would fail)."""
+    from minidist.train import decay_groups
+
+    model = torch.nn.Sequential(*gpt.whole_layers(TINY, torch.float64))
+    names = {id(q): n for n, q in model.named_parameters()}
+    decay, rest = ([names[id(q)] for q in g["params"]] for g in decay_groups(model))
+    matrices = [f"{i}.{part}.weight" for i in (1, 2) for part in ("qkv", "proj", "fc1", "fc2")]
+    assert sorted(decay) == sorted([*matrices, "3.out.weight"]), decay
+    assert {"0.tokens.weight", "0.positions.weight", "3.norm.weight", "1.qkv.bias"} <= set(rest)
+    groups = decay_groups(model)  # the first takes the optimizer's weight_decay: --weight-decay
+    assert groups[1]["weight_decay"] == 0.0 and "weight_decay" not in groups[0], groups
+    assert "weight_decay=-1.0 is negative" in TrainConfig(weight_decay=-1.0).problems()
+
+
+@pytest.mark.pure
 def test_the_parent_refuses_a_bad_layout_before_starting_any_process():
     start = time.perf_counter()
     out = subprocess.run(

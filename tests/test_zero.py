@@ -534,6 +534,11 @@ def zero_properties_in_ranks(
     prop()
     checkpoints()
     mixed()
+    # the other ZeRO test files' properties, in this launch too: processes start slowly
+    from test_zero3_units import units_properties_in_ranks
+    from test_zero_groups import groups_properties_in_ranks
+
+    count += [units_properties_in_ranks(comm, 3), groups_properties_in_ranks(comm, 2)]
     # real bfloat16 reduce-scatters and all-gathers between processes (MPI has no bfloat16
     # sum: its backend reduces in torch); replicas stay bitwise identical
     got = zero_low_precision(comm, 3, "bf16-reduce", 0, steps=3)
@@ -545,8 +550,9 @@ def zero_properties_in_ranks(
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_zero_processes(backend):
-    got = run_ranks(zero_properties_in_ranks, 4, backend, 8, 4, 4, timeout=240)
-    assert got == [[8, 4, 4]] * 4
+    """Every property of test_zero, test_zero3_units and test_zero_groups, started once."""
+    got = run_ranks(zero_properties_in_ranks, 4, backend, 8, 4, 4, timeout=300)
+    assert got == [[8, 4, 4, 3, 2]] * 4
 
 
 # ---- consolidation and re-sharding --------------------------------------------------------

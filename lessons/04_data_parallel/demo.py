@@ -3,10 +3,10 @@
     python lessons/04_data_parallel/demo.py                                 # 4 thread-ranks
     minidist run -n 4 --backend mpi lessons/04_data_parallel/demo.py       # 4 processes
 
-Each step: every rank runs forward and backward on its own quarter of the batch; buckets of
-gradients are all-reduced while backward still runs; then every rank takes the same step.
-Rank 0 prints the loss, checks the replicas agree bit for bit, and draws its timeline
-(out/dp_timeline.png): compute on one row, the all-reduces on the other.
+The task: learn a fixed random layer tanh(x W) from fresh batches x. Each step every rank runs
+forward and backward on its quarter of the batch, buckets of gradients are all-reduced while
+backward still runs, then every rank takes the same step. Rank 0 prints the loss (it falls),
+checks the replicas agree bit for bit, and draws its timeline to out/dp_timeline.png.
 """
 
 import os
@@ -27,13 +27,14 @@ def main(comm):
         for q in net.parameters():
             q.uniform_(-0.06, 0.06, generator=mine)
     model = DataParallelBucketed(net, ObservedComm(comm, tracer), bucket_bytes=256 << 10)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(0)  # the same global batch on every rank
-    for step in range(5):
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)  # the same teacher and global batch on every rank
+    teacher = torch.randn(256, 256, generator=g) / 16  # (D, D)
+    for step in range(8):
         x = torch.randn(64, 256, generator=g)  # (B, D) global batch
         x_local = shard(x, comm)  # (B/p, D): this rank's rows
         with tracer.span("forward"):
-            loss = (model(x_local) - x_local).square().mean()
+            loss = (model(x_local) - torch.tanh(x_local @ teacher)).square().mean()
         with tracer.span("backward"):
             loss.backward()  # buckets launch from inside backward
         with tracer.span("wait"):
@@ -55,17 +56,21 @@ def main(comm):
 
 def draw(events, path):
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    fig = Figure(figsize=(10, 2.2))
+    colours = {"forward": "tab:blue", "backward": "tab:green", "wait": "tab:gray"}
+    fig = Figure(figsize=(10, 3))
     ax = fig.subplots()
     for e in events[-40:]:  # the last steps
         row = 0 if e["tid"] == 1 else 1  # compute spans vs communication
-        colour = {"forward": "tab:blue", "backward": "tab:green"}.get(e["name"], "tab:gray")
-        colour = "tab:orange" if row == 1 else colour
+        colour = "tab:orange" if row == 1 else colours.get(e["name"], "tab:gray")
         ax.barh(row, e["dur"] / 1e3, left=e["ts"] / 1e3, color=colour, edgecolor="black")
     ax.set_yticks([0, 1], ["compute", "all-reduce"])
     ax.invert_yaxis()
-    ax.set(xlabel="ms", title="rank 0: buckets reduced while backward runs")
+    names = [*colours, "all-reduce of a bucket"]
+    handles = [Patch(color=c) for c in [*colours.values(), "tab:orange"]]
+    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=4)
+    ax.set(xlabel="time (ms)", title="rank 0: buckets reduced while backward runs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

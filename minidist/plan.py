@@ -1,0 +1,297 @@
+"""Planning a large run: which layouts fit, how long a step takes, and why, from formulas.
+
+Equals: nothing runs here; every number is a formula of the model's shape, the layout and the
+cluster (cluster.py), each stated below with its source. tests/test_plan.py checks the
+formulas against this project's own code where they overlap (bytes and memory) and against
+published large runs (tests/published_runs.py), with the calibration named there.
+Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam):
+    model state   16 Psi_g (stage 0), 4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3)
+                  bytes per parameter (Rajbhandari et al., SC 2020, section 3.1)
+    activations   per layer and microbatch of b sequences of s tokens (Korthikanti et al.,
+                  2022, table 2): s b h (10 + 24/t + 5 a s/(h t)); with sequence parallelism
+                  s b h (34 + 5 a s/h)/t; selective recompute drops the 5 a s/h term; full
+                  recompute keeps 2 s b h (/t with sp) per layer. The first stage of 1F1B holds
+                  min(pp, m) microbatches of L/pp layers, x (1 + (pp-1)/(pp v)) interleaved
+                  (Narayanan et al., SC 2021, section 2.2.2).
+Time per step (the slowest stage):
+    compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
+                  (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
+                  again with full recompute (Narayanan et al., SC 2021, section 5.1); split
+                  over tp and pp
+    pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
+    tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
+                  recompute), on the node's links if tp <= g, else on the network
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages
+    data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
+                  microbatch), less what hides behind backward (ZeRO-3: all compute)
+Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown)
+-> search (every layout of a GPU count, the feasible ones ranked) -> plan_cli (`minidist plan`).
+Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC 2021); Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (2022).   Lesson: lessons/13_beyond_one_machine/.
+Run: minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from minidist.cluster import Cluster, ring_all_reduce_seconds
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer: layers, hidden size, heads (kv_heads < heads: grouped
+    queries), FFN size, vocabulary, sequence length; glu: a gated MLP (3 matrices, Llama)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    kv_heads: int = 0  # 0: as many as heads
+    glu: bool = False
+
+    def layer_params(self) -> int:
+        """Parameters of one layer's matrices (biases and norms are < 0.1%: left out)."""
+        h, kv = self.hidden, self.kv_heads or self.heads
+        attention = 2 * h * h + 2 * h * (h * kv // self.heads)  # q, out; k, v
+        return attention + (3 if self.glu else 2) * h * self.ffn
+
+    def params(self) -> int:
+        """Every parameter: the layers, the token embedding and an untied output layer."""
+        return self.layers * self.layer_params() + 2 * self.vocab * self.hidden
+
+    def layers_flops_per_token(self) -> int:
+        """The layers' forward: matmuls 2 x their parameters, attention scores 4 s h each."""
+        return self.layers * (2 * self.layer_params() + 4 * self.seq * self.hidden)
+
+    def forward_flops_per_token(self) -> int:
+        """The whole forward: the layers, then the logits' 2 V h."""
+        return self.layers_flops_per_token() + 2 * self.vocab * self.hidden
+
+    def step_flops_per_token(self, recompute: str = "none") -> int:
+        """Forward and backward (3 forwards), plus what recompute runs again: full, the layers'
+        forward (not the logits: Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh)); selective,
+        the attention scores' forward."""
+        again = {"none": 0, "full": self.layers_flops_per_token()}
+        again["selective"] = 4 * self.seq * self.hidden * self.layers
+        return 3 * self.forward_flops_per_token() + again[recompute]
+
+
+# [GPT3] Brown et al., "Language Models are Few-Shot Learners" (2020), table 2.1; vocabulary
+#        padded to 51,200 as Megatron-LM does. [LLAMA2] Touvron et al., "Llama 2" (2023),
+#        table 1 and the released configs. [LLAMA3] Dubey et al., "The Llama 3 Herd of
+#        Models" (2024), table 3.
+SHAPES = {
+    "gpt3-175b": Shape("GPT-3 175B", 96, 12288, 96, 4 * 12288, 51200, 2048),  # [GPT3]
+    "llama-70b": Shape("Llama 2 70B", 80, 8192, 64, 28672, 32000, 4096, 8, True),  # [LLAMA2]
+    "llama-7b": Shape("Llama 2 7B", 32, 4096, 32, 11008, 32000, 4096, 0, True),  # [LLAMA2]
+    "llama3-405b": Shape("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 8, True),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
+    microbatch size b, recompute (none | selective | full), sequence parallelism."""
+
+    dp: int
+    pp: int
+    tp: int
+    v: int = 1
+    zero: int = 0
+    b: int = 1
+    recompute: str = "none"
+    sp: bool = False
+
+    def microbatches(self, batch: int) -> int:
+        return batch // (self.dp * self.b)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What the formulas cannot know: the fraction of peak FLOP/s the matmuls reach, of the
+    network's bandwidth the collectives reach, and of the window in which data-parallel
+    traffic hides behind compute (backward, 2/3 of the compute, for gradients; all of it for
+    ZeRO-3, which gathers parameters ahead of forward too): exposed = max(0, t_dp - overlap x
+    window). Calibrated on published runs (CALIBRATED, tests/published_runs.py)."""
+
+    compute: float = 0.5
+    network: float = 1.0
+    overlap: float = 0.0  # of the window in which data-parallel traffic can flow
+
+
+def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
+    """Why this layout cannot run this shape at all (divisibility), with the numbers."""
+    found, x = [], layout
+    if x.dp * x.pp * x.tp != gpus:
+        found.append(f"dp={x.dp} x pp={x.pp} x tp={x.tp} != {gpus} GPUs")
+    if shape.layers < x.pp * x.v:
+        found.append(f"layers={shape.layers} are fewer than pp={x.pp} x v={x.v} stages")
+    if shape.heads % x.tp or (shape.kv_heads or shape.heads) % x.tp:
+        kv = shape.kv_heads or shape.heads
+        found.append(f"heads={shape.heads} (kv heads {kv}) are not divisible by tp={x.tp}")
+    if batch % (x.dp * x.b):
+        found.append(f"batch={batch} is not divisible by dp={x.dp} x b={x.b}")
+    elif x.v > 1 and x.microbatches(batch) % x.pp:
+        m = x.microbatches(batch)
+        found.append(f"interleaving needs microbatches={m} divisible by pp={x.pp}")
+    if x.sp and x.tp == 1:
+        found.append("sequence parallelism needs tp > 1")
+    if x.zero >= 2 and x.pp > 1:  # as DeepSpeed: a pipeline would shard gradients per microbatch
+        found.append(f"ZeRO-{x.zero} with a pipeline (pp={x.pp}) is not planned: use ZeRO-1")
+    return found
+
+
+def stage_layers(shape: Shape, layout: Layout) -> int:
+    """Layers on the fullest stage: v chunks of ceil(L / (pp v)) (uneven when pp v does not
+    divide L, as minidist's partition.py and Megatron-DeepSpeed allow)."""
+    return -(-shape.layers // (layout.pp * layout.v)) * layout.v
+
+
+def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True) -> dict:
+    """Bytes per GPU on the fullest stage: model state and activations (the docstring).
+    flash: attention that never stores the s x s scores (FlashAttention; Dao et al., 2022)
+    keeps no 5 a s/h term, as selective recompute."""
+    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    layers = stage_layers(shape, x)
+    psi = (layers * shape.layer_params() + shape.vocab * h) / x.tp  # the first stage
+    per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
+    t, sbh = x.tp, s * x.b * h
+    if x.recompute == "full":
+        per_layer = 2 * sbh / (t if x.sp else 1)
+    else:
+        attention = 0 if x.recompute == "selective" or flash else 5 * a * s / (h * t)
+        per_layer = sbh * ((34 / t if x.sp else 10 + 24 / t) + attention)
+    m = x.microbatches(batch)
+    in_flight = min(x.pp, m) * (1 + (x.pp - 1) / (x.pp * x.v) if x.v > 1 else 1)
+    activations = per_layer * layers * in_flight
+    return {"model state": psi * per_param, "activations": activations}
+
+
+def _over(cluster: Cluster, p: int, stride: int) -> Cluster:
+    """The cluster as seen by a group of p ranks placed stride apart: g / stride of them on
+    a node (at least 1)."""
+    return replace(cluster, gpus_per_node=max(1, cluster.gpus_per_node // stride))
+
+
+def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Efficiency) -> dict:
+    """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer."""
+    x, h, s = layout, shape.hidden, shape.seq
+    m = x.microbatches(batch)
+    layers = stage_layers(shape, x)
+    flops = shape.step_flops_per_token(x.recompute)  # the logits apportioned like the layers
+    mb_flops = flops * s * x.b * layers / (shape.layers * x.tp)  # a microbatch, fullest stage
+    t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
+    slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
+    net = replace(cluster, inter=slower)
+    act = 2 * s * x.b * h  # bytes of one activation tensor in bf16
+    tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
+    t_tp = layers * (6 if x.recompute == "full" else 4) * tp_ar
+    slot = t_mb + t_tp
+    stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
+    message = stage_link.latency + act / x.tp / stage_link.bandwidth
+    t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
+    psi_g = shape.params() / (x.pp * x.tp)
+    # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
+    # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
+    rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
+    window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
+    dp_group = _over(net, x.dp, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
+    t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, 2 * psi_g) if x.dp > 1 else 0.0
+    optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
+    return {
+        "compute": m * t_mb,
+        "bubble": (x.pp - 1) / x.v * slot,
+        "tp": m * t_tp,
+        "pp": t_pp,
+        "dp": max(0.0, t_dp - eff.overlap * window * m * t_mb),
+        "optimizer": optimizer,
+    }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout's verdict: memory per GPU (bytes), step time by part (s), and the
+    reasons it cannot run (empty if it can)."""
+
+    layout: Layout
+    memory: dict
+    parts: dict
+    why_not: tuple[str, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+
+def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9) -> Plan:
+    """The verdict on one layout; memory must fit in headroom x the GPU's memory (the rest:
+    the framework, fragmentation, buffers: an assumption)."""
+    why = problems(shape, layout, gpus, batch)
+    if why:
+        return Plan(layout, {}, {}, tuple(why))
+    memory = memory_bytes(shape, layout, batch, flash)
+    total, room = sum(memory.values()), headroom * cluster.gpu.memory
+    if total > room:
+        gb = cluster.gpu.memory / 1e9
+        why = [f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"]
+    return Plan(layout, memory, step(shape, layout, cluster, batch, eff), tuple(why))
+
+
+def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
+    """Every layout worth a look: tp up to two nodes, pp up to the layers (uneven stages
+    allowed), b up to 8, v up to 4, every ZeRO stage, recompute and sp; problems() filters."""
+    g = cluster.gpus_per_node
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * g and gpus % t == 0):
+        for pp in (p for p in range(1, shape.layers + 1) if (gpus // tp) % p == 0):
+            for v, zero, b, recompute, sp in _options(tp):
+                yield Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, sp)
+
+
+def _options(tp: int):
+    for v in (1, 2, 4):
+        for zero in (0, 1, 2, 3):
+            for b in (1, 2, 4, 8):
+                for recompute in ("none", "selective", "full"):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        yield v, zero, b, recompute, sp
+
+
+def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> tuple[list, list]:
+    """(feasible plans, fastest first; the infeasible ones) over layouts() that allowed(layout)
+    accepts (default all). eff: calibrated(cluster) unless given."""
+    eff = eff or calibrated(cluster)
+    candidates = [x for x in layouts(shape, cluster, gpus, batch) if allowed is None or allowed(x)]
+    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash) for x in candidates]
+    ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
+    return ok, [q for q in plans if q.why_not]
+
+
+def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -> float:
+    """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
+    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
+    model = 3 * shape.forward_flops_per_token() * batch * shape.seq
+    return model / (seconds * gpus * cluster.gpu.peak_flops)
+
+
+# Fitted on three published runs (tests/published_runs.py) and checked on every other one
+# (tests/test_published_runs.py). compute: the A100's on Megatron-LM's 145.6B on 1536 A100s
+# (r06: Narayanan et al., SC 2021, table 1), Hopper's on Llama 3 405B on 8,192 H100s (r38:
+# Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536 A100s (r12: Narayanan et
+# al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
+# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
+CALIBRATED = {
+    "A100": Efficiency(compute=0.554, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.738, network=0.630, overlap=1.0),
+}
+
+
+def calibrated(cluster: Cluster) -> Efficiency:
+    """The calibrated efficiencies of the cluster's GPU: Hopper's (H100, H200: one compute
+    die) or else the A100's."""
+    hopper = any(name in cluster.gpu.name for name in ("H100", "H200"))
+    return CALIBRATED["H100" if hopper else "A100"]

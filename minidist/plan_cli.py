@@ -1,0 +1,208 @@
+"""`minidist plan`: the best layouts of a model on a cluster, their time, memory, energy, cost.
+
+    minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
+    minidist plan --model llama-70b --cluster dgx-h100 --gpus 512 --batch 1024 --tokens 2e12
+    minidist plan --layers 32 --hidden 4096 --heads 32 --vocab 50304 --seq-len 2048 ...
+    minidist plan ... --recompute full --no-sp --zero 1 --no-flash   # what your framework has
+    minidist plan ... --json         # one object: every feasible layout's numbers
+    minidist plan ... --png out/plan.png                     # the time breakdown, drawn
+
+Prints the best layouts (plan.search) with the step time by part, tokens/s, MFU, memory per
+GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
+PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
+refused for which reason. Bad input is refused with one line per reason (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, replace
+
+from minidist import cluster as clusters
+from minidist import plan
+
+PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the best layouts of a model on a cluster, from formulas")
+    p.add_argument("--model", default="gpt3-175b", help=f"one of {', '.join(plan.SHAPES)}")
+    for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq-len"):
+        p.add_argument(f"--{flag}", type=int, help="override the model's shape")
+    p.add_argument("--cluster", default="dgx-a100", help=f"one of {', '.join(clusters.PRESETS)}")
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--batch", type=int, default=512, help="sequences per step, all GPUs")
+    p.add_argument("--tokens", type=float, default=300e9, help="the run's token budget")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), help="only this one")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
+    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
+    p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--png", help="draw the time breakdown of the best layouts here")
+    p.set_defaults(func=main)
+
+
+def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
+    """The shape and cluster the flags ask for, and every reason they cannot be used."""
+    found = []
+    if args.model not in plan.SHAPES:
+        found.append(f"unknown model {args.model!r}; known: {', '.join(plan.SHAPES)}")
+    if args.cluster not in clusters.PRESETS:
+        found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
+    for flag in ("gpus", "batch", "top", "layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            found.append(f"--{flag.replace('_', '-')}={value} must be at least 1")
+    if not args.tokens > 0:
+        found.append(f"--tokens={args.tokens} must be positive")
+    if args.png and not os.path.isdir(os.path.dirname(os.path.abspath(args.png))):
+        found.append(f"--png {args.png}: its folder does not exist")
+    if found:
+        return None, None, found
+    shape = plan.SHAPES[args.model]
+    changes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads}
+    changes |= {"ffn": args.ffn, "vocab": args.vocab, "seq": args.seq_len}
+    shape = replace(shape, **{k: v for k, v in changes.items() if v is not None})
+    if shape.hidden % shape.heads:
+        found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
+    return shape, clusters.preset(args.cluster), found
+
+
+def _allowed(args, layout: plan.Layout) -> bool:
+    return (
+        (args.recompute is None or layout.recompute == args.recompute)
+        and (args.zero is None or layout.zero == args.zero)
+        and not (args.no_sp and layout.sp)
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    shape, cluster, found = _inputs(args)
+    if found:
+        for line in found:
+            print(f"minidist plan: {line}", file=sys.stderr)
+        return 2
+    allowed = lambda x: _allowed(args, x)  # noqa: E731
+    flash = not args.no_flash
+    ok, refused = plan.search(shape, cluster, args.gpus, args.batch, flash=flash, allowed=allowed)
+    if not ok:
+        _refuse_all(shape, cluster, args, refused)
+        return 2
+    rows = [_row(shape, cluster, args, q) for q in ok]
+    if args.json:
+        print(json.dumps({"model": asdict(shape), "cluster": cluster.name, "layouts": rows}))
+    else:
+        _print(shape, cluster, args, rows[: args.top], refused)
+        _why(rows)
+    if args.png:
+        _draw(rows[: args.top], args.png)
+    return 0
+
+
+def _refuse_all(shape, cluster, args, refused) -> None:
+    """No layout runs: say so, and what the leanest one would need."""
+    say = lambda line: print(f"minidist plan: {line}", file=sys.stderr)  # noqa: E731
+    say(f"no layout of {shape.name} runs on {args.gpus} GPUs of {cluster.name}")
+    sized = [q for q in refused if q.memory]
+    if sized:
+        lean = min(sized, key=lambda q: sum(q.memory.values()))
+        say(f"the leanest, {_name(asdict(lean.layout))}: {lean.why_not[0]}")
+    for reason, n in _reasons(refused).most_common(3):
+        say(f"{n} layouts: {reason}")
+
+
+def _reasons(refused) -> Counter:
+    """How many layouts each kind of reason refused (the numbers in it stripped)."""
+    kinds = Counter()
+    for q in refused:
+        for why in q.why_not:
+            kinds[why.split(";")[0] if why.startswith("needs") else why] += 1
+    return kinds
+
+
+def _row(shape, cluster, args, q: plan.Plan) -> dict:
+    tokens_per_s = args.batch * shape.seq / q.seconds
+    days = args.tokens / tokens_per_s / 86400
+    gpu_hours = days * 24 * args.gpus
+    watts = cluster.node_watts / cluster.gpus_per_node * args.gpus * cluster.pue
+    return {
+        "layout": asdict(q.layout),
+        "seconds": q.seconds,
+        "parts": q.parts,
+        "memory_gb": {k: v / 1e9 for k, v in q.memory.items()},
+        "tokens_per_s": tokens_per_s,
+        "mfu": plan.mfu(shape, cluster, args.gpus, args.batch, q.seconds),
+        "days": days,
+        "mwh": watts * days * 24 / 1e6,
+        "usd": gpu_hours * cluster.usd_per_gpu_hour,
+    }
+
+
+def _name(layout: dict) -> str:
+    x = layout
+    sp = " sp" if x["sp"] else ""
+    return (
+        f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}{sp}"
+    )
+
+
+def _print(shape, cluster, args, rows, refused) -> None:
+    print(f"{shape.name} ({shape.params() / 1e9:.1f}B) on {args.gpus} x {cluster.gpu.name},")
+    print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
+    head = f"{'layout':38} {'step s':>7} " + " ".join(f"{p:>6}" for p in PARTS)
+    print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")
+    for r in rows:
+        parts = " ".join(f"{r['parts'][p]:6.2f}" for p in PARTS)
+        gb = sum(r["memory_gb"].values())
+        money = f"{r['days']:6.1f} {r['mwh']:7.1f} {r['usd'] / 1e6:6.2f}"
+        print(
+            f"{_name(r['layout']):38} {r['seconds']:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}"
+        )
+    memory = [q for q in refused if q.why_not[0].startswith("needs")]
+    print(f"refused: {len(memory)} layouts do not fit in memory, {len(refused) - len(memory)} do")
+    print("not divide the model, the batch or the GPUs (or are not planned: ZeRO-2/3 with pp)")
+
+
+def _why(rows) -> None:
+    """Why the best wins: against the best layout on another dp x pp x tp grid."""
+    grid = lambda r: (r["layout"]["dp"], r["layout"]["pp"], r["layout"]["tp"])  # noqa: E731
+    other = next((r for r in rows if grid(r) != grid(rows[0])), None)
+    if other is None:
+        return
+    best = rows[0]
+    gap = {p: other["parts"][p] - best["parts"][p] for p in PARTS}
+    part = max(gap, key=gap.get)
+    ahead = other["seconds"] / best["seconds"] - 1
+    print(f"why the best wins: {ahead:.1%} faster than the best on another grid")
+    print(f"({_name(other['layout'])}), most of it in {part}: {best['parts'][part]:.2f} s against")
+    print(f"{other['parts'][part]:.2f} s")
+
+
+def _draw(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
+    names = [_name(r["layout"]) for r in rows][::-1]
+    left = [0.0] * len(rows)
+    for p in PARTS:
+        widths = [r["parts"][p] for r in rows][::-1]
+        ax.barh(names, widths, left=left, label=p)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("seconds per step (formulas)")
+    ax.legend(title="part of the step", loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":  # python -m minidist.plan_cli ...
+    parser = argparse.ArgumentParser(prog="minidist")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    sys.exit(main(parser.parse_args(["plan", *sys.argv[1:]])))

@@ -1,0 +1,166 @@
+"""The planner (minidist/plan.py, `minidist plan`): its formulas, its search, its command.
+
+Tier 0 checks each formula as its docstring states it, and the one place where the plan and
+minidist's code describe the same thing: the tensor-parallel bytes per layer, counted on a real
+ParallelTransformerBlock (tier 1). The published runs are checked in test_published_runs.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minidist import cluster, plan, plan_cli
+from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.tensor_parallel_blocks import ParallelTransformerBlock
+from minidist.testing import run_threads
+
+A100 = cluster.preset("dgx-a100")
+GPT3 = plan.SHAPES["gpt3-175b"]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    "name,billions",
+    [("gpt3-175b", 175), ("llama-70b", 69), ("llama-7b", 6.7), ("llama3-405b", 406)],
+)
+def test_parameter_counts_match_the_names(name, billions):
+    assert plan.SHAPES[name].params() / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+@pytest.mark.pure
+def test_flops_per_token_is_megatrons_formula():
+    s, h, L, V = GPT3.seq, GPT3.hidden, GPT3.layers, GPT3.vocab
+    # Narayanan et al. (SC 2021): 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step, B = 1, s tokens
+    megatron = 72 * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert 3 * GPT3.forward_flops_per_token() * s == pytest.approx(megatron, rel=1e-12)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("zero,per_param", [(0, 16), (1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])
+def test_model_state_is_the_zero_papers(zero, per_param):
+    x = plan.Layout(dp=4, pp=2, tp=2, zero=zero)
+    psi = (GPT3.layers // 2 * GPT3.layer_params() + GPT3.vocab * GPT3.hidden) / 2
+    got = plan.memory_bytes(GPT3, x, batch=8)["model state"]
+    assert got == pytest.approx(psi * per_param, rel=1e-12)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    "recompute,sp,constant",
+    [("none", False, 10 + 24 / 8), ("none", True, 34 / 8), ("selective", True, 34 / 8)],
+)
+def test_activations_are_korthikantis_table_2(recompute, sp, constant):
+    s, h, a, t = GPT3.seq, GPT3.hidden, GPT3.heads, 8
+    x = plan.Layout(dp=1, pp=4, tp=t, b=2, recompute=recompute, sp=sp)
+    attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    per_layer = s * 2 * h * (constant + attention)
+    got = plan.memory_bytes(GPT3, x, 16, flash=False)["activations"]  # m = 8 >= pp: pp in flight
+    assert got == pytest.approx(per_layer * GPT3.layers / 4 * 4, rel=1e-12)
+    full = plan.Layout(dp=1, pp=4, tp=t, b=2, recompute="full", sp=True)
+    want_full = 2 * s * 2 * h / t * GPT3.layers
+    assert plan.memory_bytes(GPT3, full, 16, flash=False)["activations"] == pytest.approx(want_full)
+    # flash attention never stores the s x s scores: the 5 a s/h term goes, as with selective
+    flash = plan.memory_bytes(GPT3, x, 16, flash=True)["activations"]
+    assert flash == pytest.approx(got - attention * s * 2 * h * GPT3.layers)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("pp,v,m", [(1, 1, 4), (4, 1, 8), (4, 2, 8), (8, 4, 16)])
+def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
+    x = plan.Layout(dp=1, pp=pp, tp=1, v=v)
+    parts = plan.step(GPT3, x, A100, batch=m, eff=plan.Efficiency(compute=0.5))
+    slot = parts["compute"] / m
+    assert parts["bubble"] == pytest.approx((pp - 1) / v * slot, rel=1e-12)
+    flops = 3 * GPT3.forward_flops_per_token() * GPT3.seq * m / pp
+    assert parts["compute"] == pytest.approx(flops / (A100.gpu.peak_flops * 0.5), rel=1e-12)
+
+
+@pytest.mark.pure
+def test_problems_name_the_numbers():
+    x = plan.Layout(dp=3, pp=5, tp=16, v=2, zero=2, b=4, sp=True)
+    found = plan.problems(GPT3, x, gpus=256, batch=100)
+    assert "dp=3 x pp=5 x tp=16 != 256 GPUs" in found
+    assert not any(line.startswith("layers") for line in found)  # uneven stages are allowed
+    few = plan.problems(GPT3, plan.Layout(dp=1, pp=64, tp=4, v=2), gpus=256, batch=64)
+    assert few == ["layers=96 are fewer than pp=64 x v=2 stages"]
+    assert "batch=100 is not divisible by dp=3 x b=4" in found
+    assert "ZeRO-2 with a pipeline (pp=5) is not planned: use ZeRO-1" in found
+
+
+@pytest.mark.pure
+def test_search_ranks_the_feasible_and_explains_the_rest():
+    shape = plan.SHAPES["llama-7b"]
+    ok, refused = plan.search(shape, A100, 64, 512)
+    assert ok and all(not q.why_not for q in ok)
+    assert [q.seconds for q in ok] == sorted(q.seconds for q in ok)
+    assert any(q.why_not[0].startswith("needs") for q in refused)
+    # a model that cannot fit anywhere: every layout refused, the memory ones with numbers
+    ok, refused = plan.search(GPT3, A100, 8, 8)
+    assert not ok and any("GB a GPU" in q.why_not[0] for q in refused)
+
+
+def tp_bytes(comm, b: int, s: int, d: int) -> int:
+    block = ParallelTransformerBlock(d, 4, 4 * d, ObservedComm(comm, counter := Counter()), seed=1)
+    x = torch.randn(b, s, d, generator=torch.Generator().manual_seed(0))
+    block(x).sum().backward()
+    return counter.nbytes["all_reduce"]
+
+
+@pytest.mark.threads
+def test_tensor_parallel_bytes_per_layer_are_the_plans():
+    # the plan: 4 all-reduces of b s h values per layer (2 forward, 2 backward), float32 here
+    b, s, d = 2, 8, 32
+    for got in run_threads(tp_bytes, 2, b, s, d):
+        assert got == 4 * b * s * d * 4
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`minidist plan args` in this process: (exit code, stdout, stderr)."""
+    parser = argparse.ArgumentParser(prog="minidist")
+    plan_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    code = plan_cli.main(parser.parse_args(["plan", *args]))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.pure
+def test_cli_table_json_and_png(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--png", str(png))
+    assert code == 0, err
+    assert "why the best wins" in out and png.stat().st_size > 1000
+    code, out, _ = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--json")
+    first = json.loads(out)["layouts"][0]
+    assert first["seconds"] == pytest.approx(sum(first["parts"].values()))
+    assert first["mwh"] > 0 and first["usd"] > 0 and 0 < first["mfu"] < 1
+
+
+@pytest.mark.pure
+def test_the_command_runs_as_minidist_plan():
+    command = [sys.executable, "-m", "minidist.cli", "plan", "--model", "llama-7b", "--gpus", "8"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Llama 2 7B" in done.stdout, done.stderr
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--model", "gpt5"], "unknown model 'gpt5'; known: gpt3-175b"),
+        (["--cluster", "dgx-z"], "unknown cluster 'dgx-z'; known: dgx-a100"),
+        (["--gpus", "0"], "--gpus=0 must be at least 1"),
+        (["--tokens", "-1"], "--tokens=-1.0 must be positive"),
+        (["--hidden", "100", "--heads", "3"], "hidden=100 is not divisible by heads=3"),
+        (["--png", "/no/such/folder/p.png"], "--png /no/such/folder/p.png: its folder does not"),
+        (["--gpus", "8", "--batch", "8"], "needs 349.8 GB a GPU; 90% of 80 GB is 72.0"),
+    ],
+)
+def test_cli_refuses_bad_input_with_the_numbers(args, line, capsys):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and line in err, err

@@ -1,0 +1,240 @@
+"""The planner against published large runs (tests/published_runs.py).
+
+plan.CALIBRATED is fitted on three runs (CALIBRATION); on every other run the planner predicts
+the step time of the published layout, and the error against what the source reports is pinned
+here (ERRORS, checked to 0.1%) so that a change to the formulas shows up as a change of numbers.
+Target: the median absolute error over the other runs at most 15%. Second check: among the
+layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO stage, flash
+attention; without model parallelism where the run had none), the planner ranks first the
+published layout or one predicted within 5% of it; RANKING pins the gap for every run.
+`python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from minidist import cluster, plan
+
+try:
+    from . import published_runs as published
+except ImportError:  # run as a script
+    import published_runs as published
+
+CALIBRATION = ("r06", "r38", "r12")
+pytestmark = pytest.mark.pure
+
+
+def shape_of(rid: str) -> plan.Shape:
+    row = published.RUNS[rid]
+    L, h, a, kv, f, glu, V, s = published.SHAPES[row[0]]
+    return plan.Shape(rid, L, h, a, f, V, s, kv, glu)
+
+
+def cluster_of(rid: str) -> cluster.Cluster:
+    gpu, gb = published.RUNS[rid][2:4]
+    c = cluster.preset("dgx-h100" if gpu == "H100" else "dgx-a100")
+    return replace(c, gpu=replace(c.gpu, memory=gb * 1e9))
+
+
+def layout_of(rid: str) -> plan.Layout:
+    _, _, _, _, gpus, tp, pp, v, zero, b, _, recompute, sp, _ = published.RUNS[rid]
+    return plan.Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, bool(sp))
+
+
+def published_seconds(rid: str) -> float:
+    """The iteration time the source reports, or implies by its MFU or TFLOP/s."""
+    shape, c, (what, value) = shape_of(rid), cluster_of(rid), published.REPORTED[rid]
+    gpus, batch = published.RUNS[rid][4], published.RUNS[rid][10]
+    tokens = batch * shape.seq
+    if what == "seconds":
+        return value
+    if what == "mfu":
+        return tokens * 3 * shape.forward_flops_per_token() / (value * gpus * c.gpu.peak_flops)
+    return tokens * shape.step_flops_per_token("full") / (value * 1e12 * gpus)
+
+
+def predicted(rid: str, layout=None, eff=None) -> plan.Plan:
+    row = published.RUNS[rid]
+    c = cluster_of(rid)
+    eff = eff or plan.calibrated(c)
+    x = layout or layout_of(rid)
+    return plan.evaluate(shape_of(rid), x, c, row[4], row[10], eff, flash=bool(row[13]))
+
+
+def error(rid: str, eff=None) -> float:
+    return predicted(rid, eff=eff).seconds / published_seconds(rid) - 1
+
+
+@functools.cache
+def ranking_gap(rid: str) -> float:
+    """The published layout's predicted time over the best one's with the same techniques,
+    minus 1 (inf if the published layout does not fit the planner's memory model)."""
+    row, mine = published.RUNS[rid], layout_of(rid)
+
+    def same(x: plan.Layout) -> bool:
+        techniques = (x.recompute, x.sp, x.zero) == (mine.recompute, mine.sp, mine.zero)
+        model_parallel = mine.tp * mine.pp > 1 or x.tp * x.pp == 1
+        return techniques and model_parallel
+
+    ours = predicted(rid)
+    if ours.why_not:
+        return float("inf")
+    c = cluster_of(rid)
+    ok, _ = plan.search(shape_of(rid), c, row[4], row[10], flash=bool(row[13]), allowed=same)
+    best = min([ours, *ok], key=lambda q: q.seconds)
+    return ours.seconds / best.seconds - 1
+
+
+OTHERS = [rid for rid in published.RUNS if rid not in CALIBRATION]
+
+INF = float("inf")
+# the planner's error on every run not used to calibrate it (predicted / reported - 1)
+ERRORS = {
+    "r00": -0.2,
+    "r01": -0.161,
+    "r02": -0.092,
+    "r03": -0.094,
+    "r04": -0.028,
+    "r05": -0.071,
+    "r07": 0.01,
+    "r08": 0.051,
+    "r09": 0.109,
+    "r10": -0.167,
+    "r11": -0.001,
+    "r13": -0.202,
+    "r14": 0.122,
+    "r15": 0.1,
+    "r19": 0.077,
+    "r20": 0.082,
+    "r21": 0.089,
+    "r22": -0.092,
+    "r23": -0.075,
+    "r24": 0.054,
+    "r25": 0.061,
+    "r26": 0.135,
+    "r27": 0.158,
+    "r28": 0.198,
+    "r29": 0.206,
+    "r30": 0.096,
+    "r31": 0.128,
+    "r32": -0.123,
+    "r33": -0.135,
+    "r34": -0.16,
+    "r36": -0.004,
+    "r37": -0.243,
+    "r39": 0.256,
+    "r41": -0.224,
+    "r42": -0.209,
+    "r43": 1.882,
+    "r44": -0.364,
+    "r45": 0.282,
+    "r46": 0.328,
+    "r47": 0.162,
+    "r48": 0.176,
+    "r49": 0.244,
+}
+# the gap between the published layout and the planner's first with the same techniques; INF:
+# the planner's memory model does not fit the published layout (Llama 3: 73 GB of activations
+# by Korthikanti et al.'s count with sequence parallelism, where the run's own recipe fit 80 GB)
+RANKING = {
+    "r00": 0.0,
+    "r01": 0.031,
+    "r02": 0.051,
+    "r03": 0.078,
+    "r04": 0.135,
+    "r05": 0.0,
+    "r06": 0.034,
+    "r07": 0.021,
+    "r08": 0.0,
+    "r09": 0.049,
+    "r10": 0.0,
+    "r11": 0.0,
+    "r12": 0.0,
+    "r13": 0.0,
+    "r14": 0.0,
+    "r15": 0.0,
+    "r19": 0.0,
+    "r20": 0.0,
+    "r21": 0.0,
+    "r22": 0.008,
+    "r23": 0.018,
+    "r24": 0.005,
+    "r25": 0.006,
+    "r26": 0.0,
+    "r27": 0.0,
+    "r28": 0.0,
+    "r29": 0.049,
+    "r30": 0.0,
+    "r31": 0.0,
+    "r32": 0.02,
+    "r33": 0.0,
+    "r34": 0.026,
+    "r36": 0.045,
+    "r37": 0.085,
+    "r38": INF,
+    "r39": INF,
+    "r41": 0.0,
+    "r42": 0.0,
+    "r43": 0.0,
+    "r44": 0.0,
+    "r45": 0.0,
+    "r46": 0.0,
+    "r47": 0.0,
+    "r48": 0.0,
+    "r49": 0.0,
+}
+
+
+def test_calibration_reproduces_its_runs():
+    for rid in CALIBRATION[:2]:  # the compute efficiencies: these two runs exactly
+        assert abs(error(rid)) < 0.002, (rid, error(rid))
+    assert abs(error("r12")) < 0.002, error("r12")  # the network efficiency
+
+
+def test_errors_are_pinned_and_the_median_is_at_most_15_percent():
+    got = {rid: round(error(rid), 3) for rid in OTHERS}
+    assert got == pytest.approx(ERRORS, abs=0.0011)
+    assert statistics.median(abs(e) for e in got.values()) <= 0.15
+
+
+def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
+    got = {rid: round(ranking_gap(rid), 3) for rid in published.RUNS}
+    assert got == pytest.approx(RANKING, abs=0.0011)
+    misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
+    # the planner prefers less tensor and more pipeline parallelism than Megatron-LM chose for
+    # 7.5-39B (its compute efficiency does not fall with smaller matmuls); Llama 3: see RANKING
+    assert misses == ["r02", "r03", "r04", "r37", "r38", "r39"], misses
+
+
+def table() -> str:
+    """The markdown table lesson 13 shows: every run, reported and predicted seconds."""
+    lines = ["| run | GPUs | layout | reported s | predicted s | error | ranking gap |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for rid in published.RUNS:
+        x, row = layout_of(rid), published.RUNS[rid]
+        layout = f"tp{x.tp} pp{x.pp} dp{x.dp} {x.recompute}"
+        err = "calibration" if rid in CALIBRATION else f"{error(rid):+.1%}"
+        gap = ranking_gap(rid)
+        gap = "does not fit" if gap == float("inf") else f"{gap:+.1%}"
+        name = published.NAMES[rid]
+        pub, pred = published_seconds(rid), predicted(rid).seconds
+        lines.append(f"| {name} | {row[4]} | {layout} | {pub:.2f} | {pred:.2f} | {err} | {gap} |")
+    return "\n".join(lines)
+
+
+def test_lesson_13_shows_this_table():
+    here = os.path.dirname(os.path.abspath(__file__))
+    readme = os.path.join(here, "..", "lessons", "13_beyond_one_machine", "README.md")
+    assert table() in open(readme).read(), "run python tests/test_published_runs.py"
+
+
+if __name__ == "__main__":
+    print(table())
+    print({rid: round(error(rid), 3) for rid in OTHERS})
+    print({rid: round(ranking_gap(rid), 3) for rid in published.RUNS})
