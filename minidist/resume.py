@@ -211,7 +211,7 @@ def differences(saved: dict, now: dict) -> list[str]:
     re-sharding)."""
     model = [f"model {k}={v!r} there, {now['model'].get(k)!r} here"
              for k, v in saved["model"].items() if now["model"].get(k) != v]  # fmt: skip
-    return model + [f"{k}={saved[k]!r} there, {now[k]!r} here" for k in SAME_RUN
+    return model + [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN
                     if saved.get(k) != now[k]]  # fmt: skip
 
 
