@@ -11,16 +11,69 @@ minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024   layouts, time, 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 from .launch import BACKENDS, launch, run_threads
 from .schedules import add_schedule_command
+from .watchdog import job_timeout
+
+# numeric flags that may be 0 (every other integer flag counts something: at least 1)
+MAY_BE_ZERO = {"warmup", "save_every", "stop_at", "seed", "zero", "staleness", "delay", "spike",
+               "chance", "compute", "target", "weight_decay"}  # fmt: skip
+
+
+def numeric_problems(args: argparse.Namespace) -> list[str]:
+    """Every numeric flag out of range, one line each, with its value: integers (and lists of
+    them) at least 1, or 0 where MAY_BE_ZERO allows; floats finite and positive (or >= 0)."""
+    found = []
+    for key, value in vars(args).items():
+        low = 0 if key in MAY_BE_ZERO else 1
+        flag = ("-" if len(key) == 1 else "--") + key.replace("_", "-")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            if isinstance(v, float) and not (math.isfinite(v) and v >= 0 and (v > 0 or low == 0)):
+                found.append(f"{flag} {v}: must be a finite number {'>= 0' if low == 0 else '> 0'}")
+            elif isinstance(v, int) and v < low:
+                found.append(f"{flag} {v}: must be at least {low}")
+    return found
+
+
+def command_problems(args: argparse.Namespace) -> list[str]:
+    """What else makes this command unable to start: files, folders, flags that do not go
+    together (train: train_cli.problems)."""
+    found = []
+    if args.command == "run":
+        if not os.path.isfile(args.script):
+            found.append(f"{args.script}: no such script")
+    if getattr(args, "backend", None) == "nccl":
+        import torch  # only here: importing it costs the other commands a second
+
+        if not torch.cuda.is_available():
+            found.append("--backend nccl needs a CUDA GPU, and torch sees none: use gloo or mpi")
+    if args.command == "bench" and getattr(args, "min_bytes", 0) > getattr(args, "max_bytes", 1):
+        found.append(f"--min-bytes {args.min_bytes} is more than --max-bytes {args.max_bytes}")
+    if args.command == "bench" and args.what in ("p2p", "sgd") and args.n < 2:
+        found.append(f"-n {args.n}: bench {args.what} needs at least 2 ranks")
+    if args.command == "bench" and not 0 <= getattr(args, "chance", 0) <= 1:
+        found.append(f"--chance {args.chance}: a probability, in [0, 1]")
+    if args.command == "schedule":
+        if args.chunks is not None and args.schedule != "interleaved":
+            found.append(
+                f"--chunks {args.chunks} needs --schedule interleaved (not {args.schedule})"
+            )
+        folder = os.path.dirname(os.path.abspath(args.png)) if args.png else "."
+        if not os.path.isdir(folder):
+            found.append(f"--png {args.png}: no folder {folder}")
+    return found
 
 
 def _run(args: argparse.Namespace) -> int:
     argv = [args.script, *args.args]
     if args.backend == "threads":
-        outcome = run_threads(argv, args.n)
+        outcome = run_threads(argv, args.n, job_timeout())
     else:
         outcome = launch(argv, args.n, args.backend)
     if outcome.returncode != 0:
@@ -64,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
 
     plan_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    found = numeric_problems(args) + command_problems(args)
+    if args.command == "train":
+        found = train_cli.problems(args, found)
+    if found:  # before anything starts: one line per reason
+        print("\n".join(f"minidist {args.command}: {why}" for why in found), file=sys.stderr)
+        return 2
     return args.func(args)
 
 

@@ -21,7 +21,7 @@ Outside, `minidist run -n N [--backend mpi|gloo|threads] script.py args` starts 
 machine: mpi hands over to `mpiexec`, gloo spawns N processes with the torchrun variables on a
 free port, threads runs N copies of the script as threads of this process. When a rank fails the
 others are stopped within seconds, the failing rank and its traceback are reported, and the exit
-code is non-zero.
+code is the failing rank's; a hung rank is named with its stack (the watchdog, watchdog.py).
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
 from .comm.checked import CheckedComm
-from .comm.protocol import DEFAULT_TIMEOUT, PeerFailed
+from .comm.protocol import DEFAULT_TIMEOUT, CommTimeout, PeerFailed
 from .comm.threads import ThreadsWorld
+from .watchdog import Outcome, Watch, job_timeout
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
+WRAPPER = "import sys; from minidist.watchdog import rank_main; rank_main(sys.argv[1:])"
 _local = threading.local()  # the comm of a thread started by `minidist run --backend threads`
 
 
@@ -159,19 +160,15 @@ def _install_failure_hook(comm) -> None:
             suffix = "after" if isinstance(value, PeerFailed) else "txt"
             with open(os.path.join(folder, f"rank{comm.rank}.{suffix}"), "w") as f:
                 f.write(text)
-        if comm.backend == "mpi" and comm.world_size > 1:
+        if folder and isinstance(value, CommTimeout):
+            time.sleep(5)  # stay: the launcher takes the stack of the rank it waited for first
+        elif comm.backend == "mpi" and comm.world_size > 1 and not folder:
             from mpi4py import MPI
 
-            MPI.COMM_WORLD.Abort(1)
+            MPI.COMM_WORLD.Abort(1)  # no launcher watches: stop the job ourselves
         os._exit(1)  # do not wait in atexit handlers for peers that will never answer
 
-    sys.excepthook = hook
-    folder = os.environ.get("MINIDIST_FAILURE_DIR")
-    if folder:  # so the launcher can tell which mpiexec child ended first
-        path = os.path.join(folder, f"rank{comm.rank}.pid")
-        with open(path + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(path + ".tmp", path)  # atomic: the launcher never reads a half-written pid
+    sys.excepthook = hook  # (under minidist run, the watchdog's wrapper left this rank's pid)
 
 
 # ---- the launcher ------------------------------------------------------------------------
@@ -193,25 +190,6 @@ def mpiexec() -> str:
     return found
 
 
-@dataclass
-class Outcome:
-    """How a launch ended: exit codes, the first failing rank and its traceback."""
-
-    returncode: int
-    failed_rank: int | None = None
-    traceback: str = ""
-    still_running: list[int] = field(default_factory=list)
-    timed_out: bool = False
-
-    def report(self) -> str:
-        if self.timed_out:
-            return f"timed out; ranks still running: {self.still_running}"
-        if self.failed_rank is None:
-            return f"failed with exit code {self.returncode}"
-        tb = self.traceback or "(no traceback recorded: see the rank's output above)\n"
-        return f"rank {self.failed_rank} failed (exit code {self.returncode}):\n{tb}"
-
-
 def launch(
     argv: list[str],
     n: int,
@@ -219,11 +197,16 @@ def launch(
     env: dict | None = None,
     timeout: float | None = None,
     done_marker=None,
+    linger: float | None = None,
 ) -> Outcome:
-    """Run `python argv...` as n ranks over mpi or gloo; stop all when one fails.
+    """Run `python argv...` as n ranks over mpi or gloo; stop all when one fails or hangs.
 
+    Each rank runs under the watchdog's wrapper (watchdog.py), which tells this launcher when
+    it ends and with which code, and dumps its stack on request. timeout: seconds for the whole
+    job (None: no limit); a rank still running MINIDIST_TIMEOUT seconds after another finished
+    is stopped as hung (linger: other seconds, e.g. inf where rank 0 works on alone on purpose).
     done_marker(rank) -> bool, when given, tells which ranks finished their work, so that a
-    timeout can name the ones still running (mpiexec hides its processes from us).
+    timeout names only the others.
     """
     if n < 1:
         raise ValueError(f"-n {n}: the number of ranks must be at least 1")
@@ -233,20 +216,45 @@ def launch(
     base = dict(os.environ, **(env or {}), MINIDIST_BACKEND=backend)
     base["MINIDIST_FAILURE_DIR"] = failures
     base.setdefault("PYTHONUNBUFFERED", "1")
-    if backend == "mpi":
-        cmd = [mpiexec(), "-n", str(n), sys.executable, *argv]
-        procs = [_start(cmd, base)]
-    else:
-        port = free_port()
-        procs = []
-        for r in range(n):
-            rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
-            rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(_start([sys.executable, *argv], rank_env))
+    wrapped = [sys.executable, "-c", WRAPPER, *argv]
+    procs = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    old = _on_sigterm()
     try:
-        return _watch(procs, n, backend, failures, timeout, done_marker)
+        if backend == "mpi":
+            procs.append(_start([mpiexec(), "-n", str(n), *wrapped], base))
+        else:
+            port = free_port()
+            for r in range(n):
+                rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+                rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1")
+                procs.append(_start(wrapped, dict(rank_env, MASTER_PORT=str(port))))
+        linger = job_timeout(base) if linger is None else linger
+        watch = Watch(procs, n, backend, failures, linger, deadline)
+        outcome = watch.run() or Outcome(0)
+        if outcome.timed_out and done_marker is not None:
+            outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]
+        if outcome.returncode == 0:  # every rank ended: let them (and mpiexec's output) finish
+            _wait(procs, job_timeout(base))
+        return outcome
     finally:
+        _stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher
         shutil.rmtree(failures, ignore_errors=True)
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _on_sigterm():
+    """Turn SIGTERM into SystemExit(143) while launching, so the `finally` stops the ranks and
+    removes the launcher's folder; the old handler (None off the main thread, where Python
+    allows no handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def _start(cmd: list[str], env: dict) -> subprocess.Popen:
@@ -272,88 +280,10 @@ def _find_prctl():
 _prctl = _find_prctl()
 
 
-def _watch(procs, n, backend, failures, timeout, done_marker) -> Outcome:
-    """Poll the processes; on the first failure (or the deadline) stop them all."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    ended: list[int] = []  # ranks whose process ended, in the order we saw it
-    while True:
-        codes = [p.poll() for p in procs]
-        _note_ended(procs, codes, backend, failures, ended)
-        bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-        if bad or all(c == 0 for c in codes):
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            _stop(procs)
-            running = [r for r in range(n) if done_marker is None or not done_marker(r)]
-            return Outcome(1, still_running=running, timed_out=True)
+def _wait(procs, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
         time.sleep(0.02)
-    if bad:  # a rank that failed *because* a peer died may exit first: let the cause report
-        end = time.monotonic() + 2
-        while time.monotonic() < end and not _listing(failures, ".txt"):
-            if all(p.poll() is not None for p in procs):
-                break
-            time.sleep(0.02)
-    _stop(procs)
-    if not bad:
-        return Outcome(0)
-    return _blame(failures, ended, [p.returncode for p in procs], bad, backend)
-
-
-def _note_ended(procs, codes, backend, failures, ended: list[int]) -> None:
-    """Append newly ended ranks: from exit codes (gloo) or vanished pids (mpi: ranks are
-    mpiexec's children, so each rank leaves its pid in the failures folder at init)."""
-    if backend != "mpi":
-        ended += [r for r, c in enumerate(codes) if c is not None and r not in ended]
-        return
-    for name in _listing(failures, ".pid"):
-        rank = int(name[4:-4])
-        if rank not in ended and not _alive(int(_read(failures, name))):
-            ended.append(rank)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _blame(failures, ended, codes, bad, backend) -> Outcome:
-    """Which rank failed first, on its own: a traceback of its own beats a rank that died
-    without one (killed), which beats a rank that only saw its peer die (PeerFailed)."""
-    code = _exit_code(codes[bad[0]])
-    own = _listing(failures, ".txt")
-    if own:
-        first = min(own, key=lambda f: _mtime(failures, f))
-        return Outcome(code, int(first[4:-4]), _read(failures, first))
-    after = {int(f[4:-6]) for f in _listing(failures, ".after")}
-    silent = [r for r in ended if r not in after and (backend == "mpi" or codes[r] != 0)]
-    if silent:
-        signal_no = -codes[silent[0]] if backend != "mpi" and codes[silent[0]] < 0 else None
-        how = f"killed by signal {signal_no}" if signal_no else "it ended without one (killed?)"
-        return Outcome(code, silent[0], f"(no traceback: {how})\n")
-    if after:
-        first = min(after, key=lambda r: _mtime(failures, f"rank{r}.after"))
-        return Outcome(code, first, _read(failures, f"rank{first}.after"))
-    return Outcome(code, bad[0] if backend != "mpi" else None)
-
-
-def _listing(folder: str, suffix: str) -> list[str]:
-    return [f for f in os.listdir(folder) if f.endswith(suffix)]
-
-
-def _read(folder: str, name: str) -> str:
-    with open(os.path.join(folder, name)) as f:
-        return f.read()
-
-
-def _mtime(folder: str, name: str) -> float:
-    return os.path.getmtime(os.path.join(folder, name))
-
-
-def _exit_code(code: int) -> int:
-    return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells report
 
 
 def _stop(procs) -> None:
@@ -361,19 +291,25 @@ def _stop(procs) -> None:
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
-    end = time.monotonic() + 3
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
-        time.sleep(0.02)
+    _wait(procs, 3)
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
-def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
-    """Run the script `argv[0]` as n threads of this process, each with its own threads comm."""
+def run_threads(
+    argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT, linger: float | None = None
+) -> Outcome:
+    """Run the script `argv[0]` as n threads of this process, each with its own threads comm.
+
+    The watchdog's rules, for threads: a failing rank aborts the world (the others wake with
+    PeerFailed); a rank still running 2 s after another failed, or `linger` s (default:
+    timeout) after another finished, is named hung with its stack. A thread cannot be killed:
+    it is left behind (a daemon thread, it ends with the process)."""
     world = ThreadsWorld(n, timeout)
-    errors: dict[int, str] = {}
+    errors: dict[int, tuple[int, str]] = {}  # rank -> (exit code, traceback)
+    finished: dict[int, float] = {}  # rank -> when its thread ended
 
     def rank_main(r: int) -> None:
         _local.comm = world.comm(r)
@@ -381,11 +317,13 @@ def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Ou
             runpy.run_path(argv[0], run_name="__main__")
         except SystemExit as e:
             if e.code not in (None, 0):
-                errors[r] = f"SystemExit({e.code})\n"
+                code = e.code if isinstance(e.code, int) else 1
+                errors[r] = (code, f"(it exited with code {e.code}: sys.exit, no traceback)\n")
                 world.abort(f"rank {r} exited")
         except BaseException:
-            errors[r] = traceback.format_exc()
+            errors[r] = (1, traceback.format_exc())
             world.abort(f"rank {r} failed")  # wake the others instead of letting them hang
+        finished[r] = time.monotonic()
 
     old_argv = sys.argv
     sys.argv = list(argv)
@@ -393,12 +331,40 @@ def run_threads(argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT) -> Ou
     try:
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        hung = _join(threads, errors, finished, timeout if linger is None else linger)
     finally:
         sys.argv = old_argv
+    return _threads_outcome(threads, errors, finished, hung)
+
+
+def _join(threads, errors: dict, finished: dict, timeout: float) -> list[int]:
+    """Wait for the thread-ranks; the ranks given up on as hung ([] when all ended)."""
+    while True:
+        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+        if not alive:
+            return []
+        now = time.monotonic()
+        failed = [finished[r] for r in errors if r in finished]
+        clean = [at for r, at in finished.items() if r not in errors]
+        if (failed and now - min(failed) > 2) or (clean and now - min(clean) > timeout):
+            return alive
+        threads[alive[0]].join(0.02)
+
+
+def _threads_outcome(threads, errors: dict, finished: dict, hung: list[int]) -> Outcome:
+    """Blame as the watchdog does: an own failure, then a hung rank, then a timeout."""
+    own = [r for r, (_, tb) in errors.items() if "PeerFailed" not in tb and "CommTimeout" not in tb]
+    if own:
+        first = min(own, key=lambda r: finished[r])
+        return Outcome(errors[first][0], first, errors[first][1])
+    if hung:
+        frame = sys._current_frames().get(threads[hung[0]].ident)
+        stack = "".join(traceback.format_stack(frame)) if frame else "(no stack)\n"
+        waited = sorted(r for r, (_, tb) in errors.items() if "CommTimeout" in tb)
+        why = f"rank(s) {waited} timed out waiting" if waited else "the others finished"
+        text = f"hung: still running after {why}; ranks still running: {hung}\nits stack:\n"
+        return Outcome(1, hung[0], text + stack, how="hung")
     if not errors:
         return Outcome(0)
-    real = [r for r, tb in errors.items() if "PeerFailed" not in tb]  # not woken by an abort
-    first = min(real) if real else min(errors)
-    return Outcome(1, first, errors[first])
+    first = min(errors, key=lambda r: ("PeerFailed" in errors[r][1], finished[r]))
+    return Outcome(errors[first][0], first, errors[first][1])

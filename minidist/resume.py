@@ -16,7 +16,8 @@ the learning-rate schedule's state; the step; the config). Each rank takes its o
 it loads (element_numbers), so any layout can load any checkpoint of the same model.
 On disk: a header line with a SHA-256 of the rest, then torch.save's bytes. Written to a
 temporary file in the same folder, flushed to disk, then renamed over the final name: a crash
-mid-save leaves the previous checkpoint whole, and a damaged file is refused by name.
+mid-save leaves the previous checkpoint whole (its temporary file is swept at the next save),
+and a damaged file is refused by name.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def _write_atomically(path: str, payload: dict) -> None:
     data = buffer.getvalue()
     header = MAGIC + hashlib.sha256(data).hexdigest().encode() + f" {len(data)}\n".encode()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    sweep(os.path.dirname(os.path.abspath(path)))  # what a killed save left behind
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -172,7 +174,12 @@ def load(path: str) -> dict:
         raise CheckpointError(f"{path}: truncated: {len(data)} bytes of {size or '?'}")
     if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{path}: damaged: its SHA-256 does not match its header")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # a crafted or foreign pickle behind a valid header
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path}: not a minidist checkpoint: its contents cannot be "
+                              f"loaded safely ({type(e).__name__}: {first})") from e  # fmt: skip
 
 
 def load_latest(folder: str) -> tuple[str, dict]:
@@ -198,18 +205,57 @@ def load_any(path: str) -> tuple[str, dict]:
     return load_latest(path) if os.path.isdir(path) else (path, load(path))
 
 
+def differences(saved: dict, now: dict) -> list[str]:
+    """The fields (as asdict(TrainConfig)) in which a checkpoint's run and this one differ
+    where they must not: the model's shape, and SAME_RUN. The layout may change (that is
+    re-sharding)."""
+    model = [f"model {k}={v!r} there, {now['model'].get(k)!r} here"
+             for k, v in saved["model"].items() if now["model"].get(k) != v]  # fmt: skip
+    return model + [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN
+                    if saved.get(k) != now[k]]  # fmt: skip
+
+
+def problems(path: str, config) -> list[str]:
+    """Why the checkpoint at path (a file, or a folder: its newest) cannot continue a run of
+    config (a TrainConfig), each naming the file; [] if it can. The parent reads it once
+    before any rank starts."""
+    try:
+        found, payload = load_any(path)
+    except CheckpointError as e:
+        return [str(e)]
+    if not isinstance(payload, dict) or not isinstance(payload.get("config"), dict):
+        return [f"{found}: not a minidist checkpoint (no config in it)"]
+    return [f"{found}: {why}" for why in differences(payload["config"], asdict(config))]
+
+
+def sweep(folder: str) -> list[str]:
+    """Remove the temporary files of saves that were killed (step-*.pt.tmpPID of a process
+    that is gone) from folder; the paths removed."""
+    removed = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        match = re.fullmatch(r"step-\d{7}\.pt\.tmp(\d+)", name)
+        if match and not _alive(int(match.group(1))):
+            removed.append(os.path.join(folder, name))
+            os.remove(removed[-1])
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
 def restore(job: Job, payload: dict) -> None:
     """Put a loaded state into a freshly built job of any layout (the same model): every rank
     takes its slices; collective over dp for ZeRO."""
-    saved, now = payload["config"], asdict(job.config)
-    if saved["model"] != now["model"]:
-        raise CheckpointError(f"the checkpoint is of model {saved['model']}, this run's is "
-                              f"{now['model']}")  # fmt: skip
-    # the layout may change (that is re-sharding); the run it continues may not
-    changed = [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN
-               if saved.get(k) != now[k]]  # fmt: skip
+    changed = differences(payload["config"], asdict(job.config))
     if changed:
-        raise CheckpointError("the checkpoint continues another run: " + "; ".join(changed))
+        raise CheckpointError("the checkpoint cannot continue this run: " + "; ".join(changed))
     mine: dict[str, dict[str, torch.Tensor]] = {}
     for i, layer, names in _layers_with_names(job):
         where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)

@@ -35,6 +35,7 @@ Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --ch
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,9 +46,9 @@ from torch import nn
 from minidist import model as gpt
 from minidist import zero as zero_
 from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer, Precision
-from minidist.data import batch_at, dp_share, load_bytes
+from minidist.data import SONNETS, batch_at, dp_share, load_bytes
 from minidist.data_parallel import DataParallelBucketed
-from minidist.lr import WarmupDecay, check_schedule
+from minidist.lr import WarmupDecay
 from minidist.mesh import Layout, Mesh, make_mesh
 from minidist.pipeline import PipelineStage, split_microbatches
 from minidist.schedules import NAMES, build_schedules
@@ -92,7 +93,25 @@ class TrainConfig:
 
     def problems(self, world_size: int | None = None) -> list[str]:
         """Every reason this run cannot start, with the numbers; [] if it can."""
-        found = []
+        m = self.model
+        # fmt: off
+        counts = dict(dp=self.dp, pp=self.pp, tp=self.tp, microbatches=self.microbatches,
+                      chunks=self.chunks, steps=self.steps, batch=self.batch, seq_len=m.seq_len,
+                      d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff, n_layers=m.n_layers)
+        # fmt: on
+        found = [f"{k}={v} must be at least 1" for k, v in counts.items() if v < 1]
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            found.append(f"lr={self.lr} must be a finite number > 0")
+        if self.warmup < 0:
+            found.append(f"warmup={self.warmup} must be at least 0")
+        if found:
+            return found  # the checks below divide by these numbers
+        if m.seq_len + 1 > SONNETS.stat().st_size:
+            found.append(f"seq_len={m.seq_len}: the text has {SONNETS.stat().st_size} bytes, "
+                         f"a sequence needs seq_len + 1 of them")  # fmt: skip
+        if self.steps < self.warmup:
+            found.append(f"steps={self.steps} is below the warm-up of {self.warmup} steps: "
+                         f"raise --steps or lower --warmup")  # fmt: skip
         try:
             self.layout.check(self.layout.world_size if world_size is None else world_size)
         except ValueError as e:
@@ -113,17 +132,11 @@ class TrainConfig:
         if self.pp * self.chunks > self.model.n_layers + 2:
             found.append(f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model "
                          f"has only n_layers={self.model.n_layers} + 2 layers")  # fmt: skip
-        for check in (
-            lambda: build_schedules(
-                self.schedule, self.pp, self.microbatches, self.chunks
-            ),  # fmt: skip
-            lambda: check_schedule(self.warmup, self.steps, "cosine", 0.0, 0.0),
-        ):
-            with contextlib.suppress(KeyError):  # an unknown schedule: reported above
-                try:
-                    check()
-                except ValueError as e:
-                    found.append(str(e))
+        with contextlib.suppress(KeyError):  # an unknown schedule: reported above
+            try:
+                build_schedules(self.schedule, self.pp, self.microbatches, self.chunks)
+            except ValueError as e:
+                found.append(str(e))
         return found
 
     def check(self, world_size: int | None = None) -> TrainConfig:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -108,23 +109,37 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: refuse a bad run before starting anything, then start the ranks."""
-    config = config_from(args)
-    problems = config.problems()
+def problems(args: argparse.Namespace, found: list[str]) -> list[str]:
+    """Every reason this run cannot start, before any rank does: found (the flags' ranges,
+    checked by cli.py), then the layout and the model's shape, flags that do not go together,
+    the folders, and the checkpoint to resume (read here once, naming the file)."""
+    found = list(found)
+    config = None if found else config_from(args)  # out-of-range numbers: nothing to build
+    found += config.problems() if config is not None else []
+    if args.stop_at > args.steps:
+        found.append(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.check and args.stop_at:
-        problems.append("--check compares whole runs: it cannot be used with --stop-at")
-    if problems:
-        print("minidist train: this run cannot start:\n  " + "\n  ".join(problems),
-              file=sys.stderr)  # fmt: skip
-        return 2
+        found.append("--check compares whole runs: it cannot be used with --stop-at")
+    for flag, path in (("--out", args.out), ("--save", args.save)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            found.append(f"{flag} {path}: a file, not a folder")
+    if args.resume and not found:
+        found += [f"--resume {why}" for why in resume.problems(args.resume, config)]
+    return found
+
+
+def main(args: argparse.Namespace) -> int:
+    """The parent (its flags checked by problems() first): start the ranks."""
+    config = config_from(args)
     argv = to_argv(args)
     n = config.layout.world_size
+    linger = math.inf if args.check else None  # --check: rank 0 trains alone after the rest
     if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], n)
+        outcome = run_threads([os.path.abspath(__file__), *argv], n, linger=linger)
     else:
         env = {"OMP_NUM_THREADS": "1"}  # one core per rank: ranks share this machine
-        outcome = launch(["-m", "minidist.train_cli", *argv], n, args.backend, env=env)
+        argv = ["-m", "minidist.train_cli", *argv]
+        outcome = launch(argv, n, args.backend, env=env, linger=linger)
     if outcome.returncode != 0:
         print(f"minidist train: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode
@@ -159,6 +174,9 @@ def rank_main(argv: list[str]) -> None:
         seconds += _now() - start
         losses.append(loss)
         skipped += [] if stepped else [step]
+        if stepped and not math.isfinite(loss):  # the same loss on every rank: all stop here
+            raise FloatingPointError(f"step {step + 1}: the loss is {loss}: training diverged "
+                                     f"(lower --lr={config.lr:g}?)")  # fmt: skip
         last = job.step in (config.steps, args.stop_at)
         if args.save and (last or (args.save_every and job.step % args.save_every == 0)):
             resume.save(job, resume.step_path(args.save, job.step))
@@ -176,6 +194,9 @@ def rank_main(argv: list[str]) -> None:
         job, counters, tracer, len(losses)
     )  # first: what follows sends bytes too
     result["parameters"] = whole_parameters(job)
+    bad = [i for i, t in enumerate(result["parameters"] or []) if not torch.isfinite(t).all()]
+    if bad:  # rank 0, after the last collective: a run ending with NaN or inf parameters failed
+        raise FloatingPointError(f"after step {job.step}: non-finite parameters in layers {bad}")
     if comm.rank == 0:
         _finish(args, config, result, report)
 

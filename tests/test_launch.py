@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_bad_backend_and_rank_count_are_refused():
     with pytest.raises(ValueError, match="backend='carrier-pigeon' is not one of"):
         minidist.init(backend="carrier-pigeon")
     code, out, _ = minidist_run("-n", "0", "--backend", "gloo", str(SCRIPTS / "ring.py"))
-    assert code != 0 and "-n 0: the number of ranks must be at least 1" in out
+    assert code == 2 and out == "minidist run: -n 0: must be at least 1\n"
     code, out, _ = minidist_run("-n", "2", "--backend", "smoke", str(SCRIPTS / "ring.py"))
     assert code == 2 and "invalid choice: 'smoke'" in out
 
@@ -102,6 +103,56 @@ def test_a_killed_rank_stops_the_rest_and_is_named(backend):
     assert code != 0
     assert "minidist run: rank 2 failed" in out and "(no traceback:" in out
     assert seconds < 30, f"took {seconds:.1f}s to stop"
+
+
+DRILLS = [  # (what rank 1 does, backends, exit code, what the report must say)
+    ("exit3", ("mpi", "threads"), 3, "rank 1 failed (exit code 3)"),
+    ("sleep", ("mpi", "threads"), 1, "rank 1 hung (exit code 1)"),
+    ("loop", ("gloo", "threads"), 1, "rank 1 hung (exit code 1)"),
+    ("early", ("gloo",), 1, "rank 1 failed (exit code 1):\nTraceback"),
+]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "what,backend,code,says",
+    [(w, b, c, s) for w, backends, c, s in DRILLS for b in backends],
+)
+def test_the_watchdog_names_the_rank_that_exited_or_hung(what, backend, code, says, tmp_path):
+    """Rank 1 exits early, sleeps while the others wait, loops after they finished, or fails
+    before init: it is named (a hung one with its stack), all ranks are stopped within seconds
+    of the 3 s timeout, its exit code is the job's, and the launcher leaves no folder."""
+    env = dict(os.environ, MINIDIST_TIMEOUT="3", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "3", "--backend", backend]
+    out = subprocess.run([*cmd, str(SCRIPTS / "misbehave.py"), what], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    ended, text = time.time(), out.stdout + out.stderr
+    began = re.search(r"rank 1 misbehaves at ([\d.]+)", text)
+    seconds = ended - float(began.group(1)) if began else 0.0  # early: before it can print
+    assert out.returncode == code, text
+    assert f"minidist run: {says}" in text, text
+    if "hung" in says:  # its stack, at the line where it loops
+        assert re.search(r'misbehave.py", line 2\d,? in <module>', text), text
+    assert "no traceback: killed" not in text
+    assert seconds < 3 + 12, f"the job ended {seconds:.1f}s after rank 1 misbehaved"
+    assert not list(tmp_path.glob("minidist-*")), "the launcher left its folder"
+
+
+@pytest.mark.processes
+def test_sigterm_to_the_launcher_stops_the_ranks_and_leaves_nothing(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "2", "--backend", "gloo"]
+    launcher = subprocess.Popen([*cmd, str(SCRIPTS / "misbehave.py"), "loop"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not list(tmp_path.glob("minidist-*/rank1.pid")):
+        time.sleep(0.1)
+    pid = int(next(tmp_path.glob("minidist-*/rank1.pid")).read_text())
+    launcher.terminate()
+    assert launcher.wait(timeout=30) == 143
+    assert not list(tmp_path.glob("minidist-*")), "the launcher left its folder"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the looping rank is gone too
 
 
 @pytest.mark.processes

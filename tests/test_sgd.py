@@ -28,6 +28,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minidist.comm.protocol import CommTimeout
 from minidist.testing import compare, impl, rank_settings, run_ranks, run_threads
 
 RTOL, ATOL = 1e-12, 1e-14  # float64; a sum in another order than the reference's
@@ -300,15 +301,17 @@ def test_a_dead_worker_stops_the_server_when_told_to():
 def pushes_twice(comm) -> None:
     ps = impl("parameter_server")
     if comm.rank == 0:
-        ps.serve(comm, torch.zeros(2, dtype=torch.float64), 0.1, worker_timeout=5.0)
+        ps.serve(
+            comm, torch.zeros(2, dtype=torch.float64), 0.1, worker_timeout=5.0, on_lost="raise"
+        )
         return
     g, w = torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     head = torch.zeros(2, dtype=torch.int64)
-    comm.send(torch.tensor([ps.PULL, 0]), 0, ps.HEADER)
+    comm.send(torch.tensor([ps.PULL, 0, 0, -1]), 0, ps.HEADER)
     comm.recv(head, 0, ps.HEADER)
     comm.recv(w, 0, ps.DATA)
     for _ in range(2):  # gradient #0, then #0 again
-        comm.send(torch.tensor([ps.PUSH, 0]), 0, ps.HEADER)
+        comm.send(torch.tensor([ps.PUSH, 0, 2, ps.dtype_code(g.dtype)]), 0, ps.HEADER)
         comm.send(g, 0, ps.DATA)
         comm.recv(head, 0, ps.HEADER)
         comm.recv(w, 0, ps.DATA)
@@ -317,8 +320,74 @@ def pushes_twice(comm) -> None:
 @pytest.mark.threads
 def test_a_gradient_pushed_twice_is_refused():
     impl("parameter_server")
-    with pytest.raises(AssertionError, match="worker 0 pushed gradient #0, expected #1"):
+    why = r"worker 0 \(rank 1\) lost after 1 gradients: BadRequest: pushed gradient #0, expected #1"
+    with pytest.raises(AssertionError, match=why):
         run_threads(pushes_twice, 2, timeout=20)
+
+
+BAD = {  # what a misbehaving worker does -> why the server drops it (and it alone)
+    "size": "BadRequest: a gradient of 2 x torch.float64; this server's shard is 3 x torch.float64",
+    "dtype": "BadRequest: a gradient of 3 x torch.int64; this server's shard is 3 x torch.float64",
+    "nan": "BadRequest: gradient #0 has 3 nan or inf values",
+    "clock": "BadRequest: pushed gradient #5, expected #0",
+    "kind": "BadRequest: unknown request kind 7",
+}
+
+
+def misbehaving_workers(comm, how: list[str]):
+    """Rank 0 serves 3 float64 parameters; rank 1 pushes 4 gradients of ones; rank 2 + k
+    misbehaves as how[k]. Rank 0 returns the server's log; a dropped worker, what it saw."""
+    ps, n, f64 = impl("parameter_server"), 3, torch.float64
+    if comm.rank == 0:
+        log = ps.serve(comm, torch.zeros(n, dtype=f64), 0.1, worker_timeout=30.0)
+        return {"lost": log.lost, "left": log.left, "params": log.params}
+    if comm.rank == 1:
+        return ps.work(comm, n, lambda w, step: torch.ones(n, dtype=f64), 4).pushed
+    bad = how[comm.rank - 2]
+    comm.timeout = 2.0  # a dropped worker is not answered: it times out, quickly here
+    if bad in ("size", "dtype", "nan"):  # through the library's own worker
+        g = {"size": torch.ones(n - 1, dtype=f64), "dtype": torch.ones(n, dtype=torch.int64),
+             "nan": torch.full((n,), float("nan"), dtype=f64)}[bad]  # fmt: skip
+        with pytest.raises(CommTimeout):
+            ps.work(comm, n, lambda w, step: g, 2)
+        return "timed out"
+    head, w = torch.zeros(2, dtype=torch.int64), torch.zeros(n, dtype=f64)
+    comm.send(torch.tensor([ps.PULL, 0, 0, -1]), 0, ps.HEADER)
+    comm.recv(head, 0, ps.HEADER)
+    comm.recv(w, 0, ps.DATA)
+    if bad == "clock":
+        comm.send(torch.tensor([ps.PUSH, 5, n, ps.dtype_code(f64)]), 0, ps.HEADER)
+        comm.send(torch.ones(n, dtype=f64), 0, ps.DATA)
+    else:
+        comm.send(torch.tensor([7, 0, 0, -1]), 0, ps.HEADER)
+    return "sent"
+
+
+def check_misbehaving(how: list[str], results: list) -> None:
+    log = results[0]
+    assert log["left"] == {0: 4} and results[1] == 4, log  # the good worker went to the end
+    for k, bad in enumerate(how, start=1):
+        assert BAD[bad] in log["lost"][k], (bad, log["lost"])
+        assert f"worker {k} (rank {k + 1}) lost after 0 gradients" in log["lost"][k]
+    w = torch.zeros(3, dtype=torch.float64)
+    for _ in range(4):
+        w.sub_(0.1 * torch.ones(3, dtype=torch.float64))
+    assert torch.equal(log["params"], w), log["params"]  # only the good gradients, applied
+
+
+@pytest.mark.threads
+def test_a_bad_request_drops_its_worker_alone():
+    impl("parameter_server")
+    how = list(BAD)
+    check_misbehaving(how, run_threads(misbehaving_workers, 2 + len(how), how, timeout=30))
+
+
+@pytest.mark.processes
+def test_a_bad_request_drops_its_worker_alone_over_mpi():
+    """A wrong-size or wrong-dtype push is refused by its header before MPI reads the payload
+    (no "Message truncated", no bytes of int64 read as float64)."""
+    how = ["size", "dtype"]
+    check_misbehaving(how, run_ranks(misbehaving_workers, 2 + len(how), "mpi", how, timeout=60))
 
 
 # ---- synchronous and local SGD -----------------------------------------------------------

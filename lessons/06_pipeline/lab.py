@@ -378,7 +378,7 @@ def draw_timeline(timeline: Timeline | Rows, path: str, title: str) -> None:
 def _schedule_command(args: argparse.Namespace) -> int:
     """Print (or draw) a schedule, its simulated bubbles beside the formula, and peak memory."""
     name, p, m = args.schedule, args.stages, args.microbatches
-    v = args.chunks if name == "interleaved" else 1
+    v = (args.chunks or 2) if name == "interleaved" else 1  # cli.py refuses --chunks otherwise
     try:
         schedules = build_schedules(name, p, m, v)
     except ValueError as e:
@@ -405,7 +405,7 @@ def add_schedule_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", choices=NAMES, default="1f1b")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--chunks", type=int, default=2, help="model chunks per stage (interleaved)")
+    p.add_argument("--chunks", type=int, help="model chunks per stage (interleaved; default 2)")
     p.add_argument("--png", help="also draw the timeline into this PNG file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.set_defaults(func=_schedule_command)

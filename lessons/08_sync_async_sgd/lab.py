@@ -16,7 +16,7 @@ order, instead of summed in rank order). For every interleaving: replaying the l
 process gives bitwise the server's parameters; every gradient a server receives is applied
 exactly once; with staleness=s the recorded staleness is at most (W-1)(2s+1).
 Communication per gradient, per worker (N parameters of b bytes, S servers): a push of
-N b + 16 S bytes and a reply of N b + 16 S bytes. A server carries W times its shard N b / S per
+N b + 32 S bytes and a reply of N b + 16 S bytes. A server carries W times its shard N b / S per
 round: its link is the bottleneck, which sharding over S servers divides by S.
 Memory per rank: a server N/S parameters (+ one gradient shard); a worker N parameters + N grad.
 Ladder: serve(staleness=None) (fully asynchronous, Downpour) -> staleness=s (bounded staleness:
@@ -29,7 +29,8 @@ Lesson: lessons/08_sync_async_sgd/.   Run: minidist bench sgd -n 4 --backend mpi
 Roles: ranks 0..S-1 serve (server s holds w_full[lo:hi], shard_range(N, S, s)), ranks S..p-1
 are workers 0..W-1. Every message is a header of known size, then its payload:
 
-    worker -> each server   (kind, clock) int64, tag HEADER; PUSH, LAST: + gradient shard, DATA
+    worker -> each server   (kind, clock, numel, dtype) int64, HEADER; PUSH, LAST: + gradient
+                            shard, DATA (numel and dtype describe it: checked before it is read)
     server -> worker        (version, staleness) int64, HEADER; PULL, PUSH: + parameter shard
 
     kind   meaning                               the server
@@ -46,6 +47,11 @@ before any gradient of the next step exists. version = gradients applied so far 
 a gradient's staleness = version when applied - version it was computed on. The bound: worker k
 got step c's parameters when every live worker had pushed all steps < c - s, and each can push
 steps up to c + s before k's gradient lands: at most 2s+1 of them each.
+
+Bad requests: a header whose kind is unknown, whose gradient has the wrong number of elements
+or the wrong dtype (float64 bytes read as int64 are other numbers), a clock that is not the next,
+or a gradient with nan or inf: the server drops that worker alone (never applying the gradient),
+names it and why in log.lost, and serves the rest; the dropped worker is not answered again.
 
 Liveness: a worker the server owes nothing (it is computing) that sends no whole request
 (header and gradient) for worker_timeout seconds is lost: dropped with the gradients applied so
@@ -69,10 +75,21 @@ from minidist.comm.protocol import CommError, PeerFailed
 
 PULL, PUSH, LAST, LEAVE = 0, 1, 2, 3  # the kinds of request a worker sends
 HEADER, DATA = 81, 82  # tags: every header travels on HEADER, every tensor payload on DATA
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The number a header carries for dtype (-1: none of DTYPES)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
 
 
 class WorkerLost(CommError):
     """A worker fell silent past its deadline and the server was told to stop, not go on."""
+
+
+class BadRequest(CommError):
+    """A worker's request the server cannot take: unknown kind, wrong size, dtype or clock,
+    a gradient with nan or inf."""
 
 
 def shard_range(n: int, n_servers: int, server: int) -> tuple[int, int]:
@@ -178,42 +195,60 @@ class _Server:
         kind = PULL
         try:
             while kind not in (LAST, LEAVE):
-                header = self.comm.recv(torch.zeros(2, dtype=torch.int64), link.rank, HEADER)
-                kind, clock = header.tolist()
+                header = self.comm.recv(torch.zeros(4, dtype=torch.int64), link.rank, HEADER)
+                kind, clock, numel, code = header.tolist()
+                self.check_header(kind, numel, code)
                 g = None
                 if kind in (PUSH, LAST):
                     g = self.comm.recv(torch.empty_like(self.w), link.rank, DATA)  # (hi - lo,)
                 self.inbox.put((link, kind, clock, g))
-        except CommError as e:  # a dead or silent peer: the main thread decides
+        except Exception as e:  # a dead or silent peer, a bad request: the main thread decides
             self.inbox.put((link, None, 0, e))
+
+    def check_header(self, kind: int, numel: int, code: int) -> None:
+        """Raise BadRequest unless the header's kind is known and its gradient (if any) has
+        this shard's size and dtype: checked before the payload is read, never after."""
+        if kind not in (PULL, PUSH, LAST, LEAVE):
+            raise BadRequest(f"unknown request kind {kind}")
+        if kind in (PUSH, LAST) and (numel, code) != (self.w.numel(), dtype_code(self.w.dtype)):
+            got = DTYPES[code] if 0 <= code < len(DTYPES) else f"dtype code {code}"
+            raise BadRequest(f"a gradient of {numel} x {got}; this server's shard is "
+                             f"{self.w.numel()} x {self.w.dtype}")  # fmt: skip
 
     def handle(self, link: _Link, kind, clock: int, payload) -> None:
         """Act on one whole request of a live worker."""
         if link.gone:
             return  # already dropped: a late request changes nothing
         link.heard = time.monotonic()
-        if kind is None:  # payload: the receiver's CommError
+        if kind is None:  # payload: the receiver's error
             self.lose(link, f"{type(payload).__name__}: {payload}", payload)
             return
         if kind in (PUSH, LAST):
+            bad = self.refuse(link, clock, payload)
+            if bad:
+                self.lose(link, f"BadRequest: {bad}", BadRequest(bad))
+                return
             self.apply(link, clock, payload)
         if kind in (PULL, PUSH):
             link.waiting = True  # answered by answer(), when the bound allows
             link.asked += 1
         elif kind == LAST:
             self.reply(link, with_params=False)  # an acknowledgement: the worker is leaving
-        elif kind != LEAVE:
-            raise CommError(f"server {self.comm.rank}: unknown request {kind} from {link.rank}")
         if kind in (LAST, LEAVE):
             link.gone = "left"
             self.log.left[link.worker] = link.clock
 
+    def refuse(self, link: _Link, clock: int, g: torch.Tensor) -> str:
+        """Why gradient g of link's clock-th step must not be applied ("" if it may)."""
+        if clock != link.clock:  # a repeat would be applied twice; a gap means one went missing
+            return f"pushed gradient #{clock}, expected #{link.clock}"
+        bad = int((~torch.isfinite(g)).sum())
+        return f"gradient #{clock} has {bad} nan or inf values" if bad else ""
+
     def apply(self, link: _Link, clock: int, g: torch.Tensor) -> None:
-        """Apply worker's gradient shard g, (hi - lo,), and log it."""
-        # lab 08.2 begin: check the clock, log an Event, w <- w - lr * g, count it
-        raise NotImplementedError(
-            "Lab 08.2: check the clock, log an Event, w <- w - lr * g, count it"
-        )
+        """Apply worker's gradient shard g, (hi - lo,), and log it (refuse() said it may)."""
+        # lab 08.2 begin: log an Event, w <- w - lr * g, count it
+        raise NotImplementedError("Lab 08.2: log an Event, w <- w - lr * g, count it")
         # lab 08.2 end
         if self.trace_every and self.version % self.trace_every == 0:
             self.snapshot()
@@ -321,11 +356,14 @@ def work(comm, n: int, grad_fn, steps: int, n_servers: int = 1, dtype=torch.floa
 
 
 def _request(comm, kind: int, clock: int, ranges, w, g, log: WorkerLog) -> None:
-    """Send (kind, clock) [+ g's shard] to every server, then take each reply into w."""
+    """Send (kind, clock, numel, dtype) [+ g's shard] to every server, then take each reply
+    into w."""
     for s, (lo, hi) in enumerate(ranges):
-        comm.send(torch.tensor([kind, clock]), s, HEADER)
-        if g is not None:
-            comm.send(g[lo:hi].contiguous(), s, DATA)
+        piece = None if g is None else g[lo:hi].contiguous()
+        numel, code = (0, -1) if piece is None else (piece.numel(), dtype_code(piece.dtype))
+        comm.send(torch.tensor([kind, clock, numel, code]), s, HEADER)
+        if piece is not None:
+            comm.send(piece, s, DATA)
     if kind == LEAVE:
         return
     head = torch.zeros(2, dtype=torch.int64)  # (version, staleness of my gradient)
