@@ -16,7 +16,7 @@ import os
 import sys
 
 from .launch import BACKENDS, launch, run_threads
-from .schedules import add_schedule_command
+from .schedule_cli import add_schedule_command
 from .watchdog import job_timeout
 
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)

@@ -38,7 +38,8 @@ from minidist.launch import BACKENDS, init, launch, run_threads
 from minidist.model import GPTConfig
 from minidist.pipeline import measured_timeline
 from minidist.reference import differences, train_whole, whole_parameters
-from minidist.schedules import NAMES, bubble_formula, bubble_fraction, draw_timeline
+from minidist.schedule_cli import draw_timeline
+from minidist.schedules import NAMES, bubble_formula, bubble_fraction
 from minidist.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
 
 AXES = ("dp", "pp", "tp")

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minidist.comm.wrappers import ObservedComm, Tracer
+from minidist.schedule_cli import add_schedule_command, draw_timeline
 from minidist.schedules import COMPUTE, bubble_fraction, build_schedules, peak_activations
 from minidist.testing import (
     check_all,
@@ -236,8 +237,7 @@ def check_timeline(got: list[dict], name: str, m: int, v: int) -> None:
 def test_measured_timeline_threads(name, p, m, v, tmp_path):
     got = run_threads(timeline_and_memory, p, name, m, v)
     check_timeline(got, name, m, v)
-    sch = impl("schedules")
-    sch.draw_timeline(got[0]["rows"], str(tmp_path / "measured.png"), name)
+    draw_timeline(got[0]["rows"], str(tmp_path / "measured.png"), name)
     assert (tmp_path / "measured.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -331,7 +331,7 @@ def test_lesson_grids_are_the_commands_output():
     assert len(blocks) >= 4, "the README lost its schedule grids"
     for argv, shown in blocks:
         parser = argparse.ArgumentParser(prog="minidist")
-        impl("schedules").add_schedule_command(parser.add_subparsers(dest="command"))
+        add_schedule_command(parser.add_subparsers(dest="command"), impl("schedules"))
         args = parser.parse_args(["schedule", *argv.split()])
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minidist.schedule_cli import add_schedule_command, draw_timeline
 from minidist.testing import impl
 
 pytestmark = pytest.mark.pure
@@ -178,7 +179,7 @@ def test_draw_timeline_simulated_and_measured(tmp_path):
     timeline = sch.simulate(programs(sch, "interleaved", 2, 4, 2))
     measured = [(0, 0.0, 1.5, "F0"), (1, 1.5, 2.0, "F0"), (1, 2.0, 3.0, "B0"), (0, 3.0, 4.5, "B0")]
     for data, name in ((timeline, "simulated.png"), (measured, "measured.png")):
-        sch.draw_timeline(data, str(tmp_path / name), name)
+        draw_timeline(data, str(tmp_path / name), name)
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert close(sch.bubble_fraction(measured), 1 - 4.5 / 9)
 
@@ -186,7 +187,7 @@ def test_draw_timeline_simulated_and_measured(tmp_path):
 def run_command(*argv: str) -> tuple[int, str, str]:
     sch = impl("schedules")
     parser = argparse.ArgumentParser(prog="minidist")
-    sch.add_schedule_command(parser.add_subparsers(dest="command", required=True))
+    add_schedule_command(parser.add_subparsers(dest="command", required=True), sch)
     args = parser.parse_args(["schedule", *argv])
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

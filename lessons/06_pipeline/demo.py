@@ -16,6 +16,7 @@ from minidist.comm.wrappers import Tracer
 from minidist.launch import demo_init
 from minidist.partition import param_counts, partition, stage_chunks
 from minidist.pipeline import PipelineStage, measured_timeline, split_microbatches
+from minidist.schedule_cli import draw_timeline
 
 WIDTHS = [16, 96, 96, 32, 64, 64, 128, 64, 32, 16, 16, 8, 8]  # Linear + tanh between each pair
 loss_fn = nn.functional.mse_loss  # a mean over its microbatch; the stage divides it by m
@@ -56,7 +57,7 @@ def one_step(comm, name: str, m: int, png: str | None) -> None:
     bubbles = f"{sch.bubble_fraction(rows):.3f} / {sch.bubble_formula(name, p, m, v):.3f}"
     print(f"{name:>11} {v}  {bubbles:>24}  {every[:, 0].max():13.1e}  ", *kib)
     if png:
-        sch.draw_timeline(rows, f"{png}_{name}.png", f"measured {name}, p={p}, m={m}, v={v}")
+        draw_timeline(rows, f"{png}_{name}.png", f"measured {name}, p={p}, m={m}, v={v}")
 
 
 if __name__ == "__main__":
