@@ -172,9 +172,9 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True) -
     return {"model state": psi * per_param, "activations": activations}
 
 
-def _over(cluster: Cluster, p: int, stride: int) -> Cluster:
-    """The cluster as seen by a group of p ranks placed stride apart: g / stride of them on
-    a node (at least 1)."""
+def _over(cluster: Cluster, stride: int) -> Cluster:
+    """The cluster as seen by a group of ranks placed stride apart: g / stride of them on a
+    node (at least 1)."""
     return replace(cluster, gpus_per_node=max(1, cluster.gpus_per_node // stride))
 
 
@@ -200,7 +200,7 @@ def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Effici
     # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
     window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
-    dp_group = _over(net, x.dp, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
+    dp_group = _over(net, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
     t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, 2 * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
     return {

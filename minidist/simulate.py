@@ -48,8 +48,8 @@ class _Sim:
     """What the simulated ranks share: the cluster, every rank's state, and the timestamps of
     messages and collectives in flight (the threads backend's ranks share one process)."""
 
-    def __init__(self, cluster: Cluster, world_size: int, efficiency: float):
-        self.cluster, self.efficiency = cluster, efficiency
+    def __init__(self, cluster: Cluster, world_size: int):
+        self.cluster = cluster
         self.states = [RankState() for _ in range(world_size)]
         self.lock = threading.Lock()
         self.arrivals: dict[tuple, float] = {}  # (channel, k) -> when message k arrives
@@ -259,7 +259,7 @@ def simulate(
     that compute achieves (an assumption: measured MFU of large runs is 0.3-0.6)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} is not in (0, 1]")
-    world, sim = ThreadsWorld(world_size, timeout), _Sim(cluster, world_size, efficiency)
+    world, sim = ThreadsWorld(world_size, timeout), _Sim(cluster, world_size)
     results, errors = [None] * world_size, {}
     rate = cluster.gpu.peak_flops * efficiency
 

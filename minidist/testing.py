@@ -289,6 +289,21 @@ def shapes(max_dims: int = 3, max_side: int = 9) -> st.SearchStrategy[tuple[int,
     return st.lists(st.integers(0, max_side), min_size=0, max_size=max_dims).map(tuple)
 
 
+def reduce_expected(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The reduction of all ranks' tensors: exact in float64 (small integers), then one cast."""
+    wide = torch.stack([x.to(torch.float64) for x in xs])  # (p, ...)
+    if op in ("sum", "avg"):
+        out = wide.sum(0)
+    elif wide.numel() == 0:
+        out = wide.sum(0)  # amax/amin refuse empty inputs; the result is empty anyway
+    else:
+        out = wide.amax(0) if op == "max" else wide.amin(0)
+    if xs[0].dtype == torch.bool:
+        return out.bool()  # sum and max: any rank True; min: every rank True
+    out = out.to(xs[0].dtype)  # exact: small integers fit every dtype
+    return out / len(xs) if op == "avg" else out  # "avg": one division of the exact sum
+
+
 def integer_valued(shape, dtype: torch.dtype, seed: int, rank: int = 0, low=-8, high=8):
     """A tensor of small integers in `dtype`: sums of a few are exact in every dtype.
 

@@ -26,6 +26,7 @@ from minidist.testing import (
     impl,
     integer_valued,
     ops,
+    reduce_expected,
     run_ranks,
     run_threads,
     seeds,
@@ -141,9 +142,7 @@ def hierarchical_case(comm, subs, g, op, dtype, shape, seed) -> None:
         x, ObservedComm(node_comm, inside), ObservedComm(cross_comm, across), op
     )
     flat = ring_all_reduce(xs[r].clone(), subs["flat", p], op)
-    pairs = {"hierarchical vs ring": (x, flat)}
-    if op != "avg":  # avg: the ring divides per chunk, the hierarchy by p: both exact here
-        pairs["exact"] = (x, _exact(xs, op))
+    pairs = {"hierarchical vs ring": (x, flat), "exact": (x, reduce_expected(xs, op))}
     nbytes = x.numel() * x.element_size()
     if x.numel() % p == 0:
         want = impl("cluster").hierarchical_sent_nbytes(p, g, nbytes)
@@ -152,14 +151,6 @@ def hierarchical_case(comm, subs, g, op, dtype, shape, seed) -> None:
             torch.tensor([want["intra"], want["inter"]], dtype=torch.float64),
         )
     check_all(comm, pairs, context=context)
-
-
-def _exact(xs, op):
-    wide = torch.stack([x.to(torch.float64) for x in xs])
-    out = wide.sum(0) if op == "sum" or wide.numel() == 0 else None
-    if out is None:
-        out = wide.amax(0) if op == "max" else wide.amin(0)
-    return out.bool() if xs[0].dtype == torch.bool else out.to(xs[0].dtype)
 
 
 def layouts_in_ranks(comm, max_examples: int) -> int:

@@ -27,6 +27,7 @@ from minidist.testing import (
     impl,
     integer_valued,
     ops,
+    reduce_expected,
     run_ranks,
     run_threads,
     seeds,
@@ -61,21 +62,6 @@ def untouched(base: torch.Tensor, strided: bool) -> tuple[torch.Tensor, torch.Te
     """The sentinel elements of a strided buffer, paired with what they must still be."""
     gaps = base[..., 1] if strided else base.new_ones(())
     return gaps, torch.ones_like(gaps)
-
-
-def reduce_expected(xs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """The reduction of all ranks' tensors: exact in float64 (small integers), then one cast."""
-    wide = torch.stack([x.to(torch.float64) for x in xs])  # (p, ...)
-    if op in ("sum", "avg"):
-        out = wide.sum(0)
-    elif wide.numel() == 0:
-        out = wide.sum(0)  # amax/amin refuse empty inputs; the result is empty anyway
-    else:
-        out = wide.amax(0) if op == "max" else wide.amin(0)
-    if xs[0].dtype == torch.bool:
-        return out.bool()  # sum and max: any rank True; min: every rank True
-    out = out.to(xs[0].dtype)  # exact: small integers fit every dtype
-    return out / len(xs) if op == "avg" else out  # "avg": one division of the exact sum
 
 
 def edged(x: torch.Tensor, seed: int, rank: int) -> torch.Tensor:
