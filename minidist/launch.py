@@ -41,7 +41,7 @@ import traceback
 from .comm.checked import CheckedComm
 from .comm.protocol import DEFAULT_TIMEOUT, CommTimeout, PeerFailed
 from .comm.threads import ThreadsWorld
-from .watchdog import Outcome, Watch, job_timeout
+from .watchdog import Lifelines, Outcome, Watch, job_timeout
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
 WRAPPER = "import sys; from minidist.watchdog import rank_main; rank_main(sys.argv[1:])"
@@ -218,11 +218,15 @@ def launch(
     base.setdefault("PYTHONUNBUFFERED", "1")
     wrapped = [sys.executable, "-c", WRAPPER, *argv]
     procs = []
+    lifelines = Lifelines(failures, n) if hasattr(os, "mkfifo") else None
     deadline = None if timeout is None else time.monotonic() + timeout
     old = _on_sigterm()
     try:
         if backend == "mpi":
-            procs.append(_start([mpiexec(), "-n", str(n), *wrapped], base))
+            # we stop the job ourselves: mpiexec's own cleanup would SIGKILL every rank within
+            # a millisecond of the first death, leaving no trace of which rank died first
+            cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), *wrapped]
+            procs.append(_start(cmd, base))
         else:
             port = free_port()
             for r in range(n):
@@ -230,7 +234,7 @@ def launch(
                 rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1")
                 procs.append(_start(wrapped, dict(rank_env, MASTER_PORT=str(port))))
         linger = job_timeout(base) if linger is None else linger
-        watch = Watch(procs, n, backend, failures, linger, deadline)
+        watch = Watch(procs, n, backend, failures, linger, deadline, lifelines)
         outcome = watch.run() or Outcome(0)
         if outcome.timed_out and done_marker is not None:
             outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]
@@ -239,6 +243,8 @@ def launch(
         return outcome
     finally:
         _stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher
+        if lifelines is not None:
+            lifelines.close()
         shutil.rmtree(failures, ignore_errors=True)
         if old is not None:
             signal.signal(signal.SIGTERM, old)

@@ -4,13 +4,16 @@
 args`), WRAPPER calling rank_main below. That small wrapper, in each rank, before the script runs:
   - leaves rank{r}.pid in the launcher's folder (MINIDIST_FAILURE_DIR): mpiexec hides its
     children from us, so the launcher finds them by pid;
+  - opens rank{r}.alive, a FIFO the launcher reads, and holds it open: the kernel closes it
+    when the process ends, however it ends, so the launcher hears the order ranks died in
+    (mpiexec runs with -disable-auto-cleanup: the launcher, not mpiexec, stops the rest);
   - registers faulthandler on SIGUSR1, writing every thread's stack into rank{r}.stack: the
     launcher asks a rank it believes hung for its stack;
   - runs the script; when it ends, writes rank{r}.exit with its exit code (sys.exit(3): 3) at
     once, before MPI's finalize can make the process linger; a traceback before init()
     (a missing module, an init failure) goes into rank{r}.txt, as init's failure hook does.
 
-The launcher polls every 20 ms and stops the whole job when:
+The launcher polls every 20 ms (waking at once when a lifeline closes) and stops the whole job when:
     a rank exits with a code != 0, dies by a signal, or leaves a traceback   -> that rank
     ranks time out waiting (CommTimeout) for a peer still running            -> the peer: hung
         (unless its stack shows it waiting in a comm too: then the rank that timed out)
@@ -27,6 +30,7 @@ import faulthandler
 import os
 import re
 import runpy
+import select
 import signal
 import sys
 import time
@@ -81,6 +85,7 @@ def rank_main(argv: list[str]) -> None:
     stack = open(os.path.join(folder, f"rank{rank}.stack"), "w")  # noqa: SIM115 (open for the life of the process)
     faulthandler.register(STACK_SIGNAL, file=stack, all_threads=True)
     _write(folder, f"rank{rank}.pid", str(os.getpid()))  # after: SIGUSR1 would kill it before
+    _hold_lifeline(folder, rank)
     code = 0
     try:
         if argv[0] == "-m":
@@ -106,6 +111,16 @@ def rank_main(argv: list[str]) -> None:
     sys.exit(code)
 
 
+def _hold_lifeline(folder: str, rank: int) -> None:
+    """Open rank{r}.alive, the launcher's FIFO, for writing and never close it: the kernel closes
+    it when this process ends, however it ends (SIGKILL too), and the launcher hears it."""
+    path = os.path.join(folder, f"rank{rank}.alive")
+    try:
+        os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no FIFO (a platform without them) or no reader: the launcher polls
+        pass
+
+
 # ---- in the launcher -----------------------------------------------------------------------
 
 
@@ -120,13 +135,54 @@ class Rank:
     words: str = ""  # "exit", "txt", "after": what it left; "" ended without a word
 
 
+class Lifelines:
+    """One FIFO per rank, read here, held open for writing by the rank: its end wakes us at
+    once, in the order the ranks die. Polling every 20 ms cannot order deaths that close: a rank
+    killed by SIGKILL and the peer that dies of it a few ms later look simultaneous."""
+
+    def __init__(self, folder: str, n: int):
+        self.order: dict[int, int] = {}  # rank -> 0 for the first to die, 1, ...
+        self._poll = select.poll()
+        self._fds: dict[int, int] = {}
+        for r in range(n):
+            path = os.path.join(folder, f"rank{r}.alive")
+            os.mkfifo(path)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # HUP only after a writer came
+            self._fds[fd] = r
+            self._poll.register(fd, select.POLLIN | select.POLLHUP)
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, waking as soon as a rank ends; record who ended."""
+        for fd, _ in self._poll.poll(seconds * 1000):
+            self._poll.unregister(fd)
+            os.close(fd)
+            self.order[self._fds.pop(fd)] = len(self.order)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
 class Watch:
     """Poll a launch's ranks (procs: one per rank, or mpiexec alone) until it ends."""
 
-    def __init__(self, procs, n, backend, folder, timeout, deadline):
+    def __init__(self, procs, n, backend, folder, timeout, deadline, lifelines=None):
         self.procs, self.backend, self.folder = procs, backend, folder
         self.ranks = [Rank(r) for r in range(n)]
         self.timeout, self.deadline = timeout, deadline
+        self.lifelines = lifelines
+
+    def _pause(self) -> None:
+        if self.lifelines is None:
+            time.sleep(0.02)
+        else:
+            self.lifelines.wait(0.02)
+
+    def _died(self, r: Rank) -> float:
+        """r's place in the order of deaths the lifelines heard (inf: not heard)."""
+        order = {} if self.lifelines is None else self.lifelines.order
+        return order.get(r.rank, float("inf"))
 
     def poll(self) -> None:
         """Update every rank: ended? with which code? what did it leave?"""
@@ -151,7 +207,7 @@ class Watch:
         if self.backend != "mpi":
             code = self.procs[r.rank].poll()
             return None if code is None else (code,)
-        if r.pid is not None and not _alive(r.pid):
+        if r.pid is not None and (self._died(r) < float("inf") or not _alive(r.pid)):
             return (None,)
         if self.procs[0].poll() is not None:  # mpiexec ended: so did every rank
             return (None,)
@@ -178,7 +234,7 @@ class Watch:
                 return self._lingering(running)
             if self.deadline is not None and time.monotonic() > self.deadline:
                 return Outcome(1, still_running=[r.rank for r in running], timed_out=True)
-            time.sleep(0.02)
+            self._pause()
 
     def stacks(self, ranks: list[Rank]) -> dict[int, str]:
         """Ask each rank for every thread's stack (faulthandler) and read what it wrote."""
@@ -214,7 +270,7 @@ class Watch:
             self.poll()
             if all(r.ended is not None for r in self.ranks):
                 break
-            time.sleep(0.02)
+            self._pause()
         live = [r for r in self.ranks if r.ended is None]
         return self._blame(live, {} if self._causes() else self.stacks(live))
 
@@ -228,7 +284,7 @@ class Watch:
             text = _read(self._path(r, "txt")) if r.words == "txt" else ""
             if "CommTimeout" not in text:
                 found.append(r)
-        return sorted(found, key=lambda r: r.ended)
+        return sorted(found, key=lambda r: (r.ended, self._died(r)))  # ties: who died first
 
     def _blame(self, live: list[Rank], stacks: dict[int, str]) -> Outcome:
         causes = self._causes()
