@@ -43,7 +43,7 @@ def numeric_problems(args: argparse.Namespace) -> list[str]:
 
 def command_problems(args: argparse.Namespace) -> list[str]:
     """What else makes this command unable to start: files, folders, flags that do not go
-    together (train: train_cli.problems)."""
+    together (train: gpt.cli.problems)."""
     found = []
     if args.command == "run":
         if not os.path.isfile(args.script):
@@ -92,15 +92,15 @@ def _add_run(sub) -> None:
 
 def _add_bench(sub) -> None:
     # each benchmark keeps its flags beside it: the parent and every rank parse the same ones
-    from . import bench, bench_batch, bench_dp, bench_pipeline, bench_sgd, bench_tp, bench_zero
+    from .bench import batch, collectives, dp, pipeline, sgd, tp, zero
 
     p = sub.add_parser("bench", help="measure: collectives and every technique")
     kinds = p.add_subparsers(dest="what", required=True)
     for what, about in (("allreduce", "all-reduce: hand-written vs library"), ("p2p", "ping-pong")):
         q = kinds.add_parser(what, help=f"nccl-tests style table, {about}")
-        bench.add_arguments(q, what=False)
-        q.set_defaults(func=bench.main, what=what)
-    for module in (bench_dp, bench_tp, bench_pipeline, bench_zero, bench_sgd, bench_batch):
+        collectives.add_arguments(q, what=False)
+        q.set_defaults(func=collectives.main, what=what)
+    for module in (dp, tp, pipeline, zero, sgd, batch):
         module.add_parser(kinds)
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
-    from . import train_cli  # the main job: imports every technique, so only when asked
+    from .gpt import cli as train_cli  # the main job: imports every technique, so only when asked
 
     train_cli.add_parser(sub)
     add_schedule_command(sub)

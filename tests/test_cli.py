@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minidist import cli, resume, train_cli
-from minidist.train import TrainConfig
+from minidist import cli
+from minidist.gpt import cli as train_cli
+from minidist.gpt import resume
+from minidist.gpt.train import TrainConfig
 
 SCRIPTS = Path(__file__).parent / "scripts"
 RING = str(SCRIPTS / "ring.py")
@@ -67,7 +69,7 @@ def test_bad_input_is_refused_before_anything_starts(line, why, capsys, monkeypa
     def started(*args, **kwargs):
         raise AssertionError(f"{line}: ranks were started")
 
-    for module in ("minidist.cli", "minidist.train_cli", "minidist.bench"):
+    for module in ("minidist.cli", "minidist.gpt.cli", "minidist.bench.collectives"):
         monkeypatch.setattr(f"{module}.launch", started)
         monkeypatch.setattr(f"{module}.run_threads", started)
     assert cli.main(_argv(line)) == 2

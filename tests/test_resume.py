@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from minidist import model as gpt
-from minidist import resume
-from minidist.reference import local_parameters, train_whole, whole_parameters
+from minidist.gpt import model as gpt
+from minidist.gpt import resume
+from minidist.gpt.reference import local_parameters, train_whole, whole_parameters
+from minidist.gpt.train import TrainConfig, build_job, train_step
 from minidist.testing import check_all, run_ranks, run_threads
-from minidist.train import TrainConfig, build_job, train_step
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
 

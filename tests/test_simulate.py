@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from minidist import cluster
 from minidist.collectives import hierarchical_all_reduce, node_comms, ring_all_reduce
 from minidist.data_parallel import DataParallelBucketed
-from minidist.model import GPTConfig
+from minidist.gpt.model import GPTConfig
+from minidist.gpt.train import TrainConfig, train
 from minidist.simulate import simulate
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock
 from minidist.testing import impl, run_threads
-from minidist.train import TrainConfig, train
 
 H100, PCIE = cluster.preset("dgx-h100"), cluster.preset("pcie-a100")
 PAIRS = replace(H100, gpus_per_node=2)  # nodes of 2: every other hop of a ring leaves a node

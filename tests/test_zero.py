@@ -771,7 +771,7 @@ def test_bench_zero_json_matches_the_formulas(capsys):
     float32 and in bfloat16 mixed precision."""
     import argparse
 
-    from minidist import bench_zero
+    from minidist.bench import zero as bench_zero
 
     parser = argparse.ArgumentParser()
     bench_zero.add_parser(parser.add_subparsers())  # as `minidist bench` adds it

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from minidist.accumulation import train_step
-from minidist.bench_batch import mlp, task, train_curve
+from minidist.bench.batch import mlp, task, train_curve
 from minidist.data_parallel import DataParallelBucketed, shard
 from minidist.launch import demo_init
 from minidist.lr import lr_at, scaled_lr

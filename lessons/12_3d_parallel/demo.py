@@ -7,11 +7,11 @@ minidist run -n 8 --backend mpi lessons/12_3d_parallel/demo.py         # or -n 4
 import torch
 
 from minidist.comm import Counter, ObservedComm
+from minidist.gpt.model import GPTConfig, stage_layer_ids
+from minidist.gpt.reference import train_whole
+from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes, train_step
 from minidist.launch import demo_init
 from minidist.mesh import Layout
-from minidist.model import GPTConfig, stage_layer_ids
-from minidist.reference import train_whole
-from minidist.train import TrainConfig, build_job, predicted_nbytes, train_step
 
 AXES = ("dp", "pp", "tp")
 STEPS, M = 4, 4  # steps; microbatches per step

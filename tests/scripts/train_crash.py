@@ -5,7 +5,7 @@ import os
 import signal
 
 import minidist
-from minidist.train import TrainConfig, build_job, train_step
+from minidist.gpt.train import TrainConfig, build_job, train_step
 
 comm = minidist.init()
 config = TrainConfig(pp=2, tp=2, microbatches=4, steps=10)

@@ -1,8 +1,8 @@
 """`minidist train`: the main job from the command line, with what a person wants to see.
 
     minidist train --dp 2 --pp 2 --tp 2 --microbatches 4 --backend mpi --check
-    mpiexec -n 8 python -m minidist.train_cli --dp 2 --pp 2 --tp 2      # the same, by hand
-    torchrun --nproc-per-node 8 -m minidist.train_cli --dp 2 --pp 2 --tp 2
+    mpiexec -n 8 python -m minidist.gpt.cli --dp 2 --pp 2 --tp 2      # the same, by hand
+    torchrun --nproc-per-node 8 -m minidist.gpt.cli --dp 2 --pp 2 --tp 2
 
 The parent (`minidist train`) checks the layout and the model's shape before any process
 starts, then starts dp*pp*tp ranks of this module; every rank trains (train.py); rank 0 shows
@@ -31,16 +31,16 @@ from dataclasses import asdict, fields
 
 import torch
 
-from minidist import resume
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
+from minidist.gpt import resume
+from minidist.gpt.model import GPTConfig
+from minidist.gpt.reference import differences, train_whole, whole_parameters
+from minidist.gpt.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
 from minidist.launch import BACKENDS, init, launch, run_threads
-from minidist.model import GPTConfig
 from minidist.pipeline import measured_timeline
-from minidist.reference import differences, train_whole, whole_parameters
 from minidist.schedule_cli import draw_timeline
 from minidist.schedules import NAMES, bubble_formula, bubble_fraction
-from minidist.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
 
 AXES = ("dp", "pp", "tp")
 
@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
         outcome = run_threads([os.path.abspath(__file__), *argv], n, linger=linger)
     else:
         env = {"OMP_NUM_THREADS": "1"}  # one core per rank: ranks share this machine
-        argv = ["-m", "minidist.train_cli", *argv]
+        argv = ["-m", "minidist.gpt.cli", *argv]
         outcome = launch(argv, n, args.backend, env=env, linger=linger)
     if outcome.returncode != 0:
         print(f"minidist train: {outcome.report()}", file=sys.stderr, end="")
@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
 
 def rank_main(argv: list[str]) -> None:
     """One rank: train, then (rank 0) report."""
-    parser = argparse.ArgumentParser(prog="python -m minidist.train_cli")
+    parser = argparse.ArgumentParser(prog="python -m minidist.gpt.cli")
     add_arguments(parser)
     args = parser.parse_args(argv)
     config = config_from(args)

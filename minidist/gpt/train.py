@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from minidist import model as gpt
 from minidist import zero as zero_
 from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer, Precision
-from minidist.data import SONNETS, batch_at, dp_share, load_bytes
 from minidist.data_parallel import DataParallelBucketed
+from minidist.gpt import model as gpt
+from minidist.gpt.data import SONNETS, batch_at, dp_share, load_bytes
 from minidist.lr import WarmupDecay
 from minidist.mesh import Layout, Mesh, make_mesh
 from minidist.pipeline import PipelineStage, split_microbatches

@@ -30,9 +30,9 @@ from dataclasses import asdict
 
 import torch
 
-from minidist import model as gpt
-from minidist.reference import element_numbers, to_stage_zero, whole_flat
-from minidist.train import Job
+from minidist.gpt import model as gpt
+from minidist.gpt.reference import element_numbers, to_stage_zero, whole_flat
+from minidist.gpt.train import Job
 
 MAGIC = b"minidist-checkpoint 1 sha256="
 KEYS = ("value", "exp_avg", "exp_avg_sq")  # per parameter element, in this order

@@ -8,7 +8,7 @@ Communication: none (every rank reads the file; it is small).
 Memory per rank: the text, one int64 per byte (11 KB of sonnets: 90 KB).
 Lesson: lessons/12_3d_parallel/.
 
-The text: Shakespeare's sonnets (1609, public domain), minidist/data/sonnets.txt. Any other
+The text: Shakespeare's sonnets (1609, public domain), minidist/gpt/data/sonnets.txt. Any other
 file works with --data PATH. Byte level: the vocabulary is the 256 byte values, no tokenizer.
 """
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from minidist import model as gpt
 from minidist.amp import LossScaler, MixedPrecisionOptimizer
-from minidist.data import batch_at, load_bytes
+from minidist.gpt import model as gpt
+from minidist.gpt.data import batch_at, load_bytes
+from minidist.gpt.train import DTYPES, Job, TrainConfig, decay_groups, make_optimizer
 from minidist.lr import WarmupDecay
-from minidist.train import DTYPES, Job, TrainConfig, decay_groups, make_optimizer
 
 
 def whole_parameters(job: Job) -> list[torch.Tensor] | None:

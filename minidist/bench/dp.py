@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
     argv += ["--json"] if args.json else []
     if args.backend == "threads":
         return run_threads([os.path.abspath(__file__), *argv], args.n).returncode
-    return launch(["-m", "minidist.bench_dp", *argv], args.n, args.backend).returncode
+    return launch(["-m", "minidist.bench.dp", *argv], args.n, args.backend).returncode
 
 
 _FORWARDED = ("backend", "layers", "width", "batch", "bucket", "steps")

@@ -172,7 +172,7 @@ def main(args: argparse.Namespace) -> int:
     if args.backend == "threads":
         outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
     else:
-        outcome = launch(["-m", "minidist.bench_tp", *argv], args.n, args.backend)
+        outcome = launch(["-m", "minidist.bench.tp", *argv], args.n, args.backend)
     if outcome.returncode != 0:
         print(f"minidist bench tp: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode

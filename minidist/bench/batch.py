@@ -293,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
     if args.backend == "threads":
         outcome = run_threads([os.path.abspath(__file__), *argv], args.n, timeout=1800)
     else:
-        outcome = launch(["-m", "minidist.bench_batch", *argv], args.n, args.backend)
+        outcome = launch(["-m", "minidist.bench.batch", *argv], args.n, args.backend)
     if outcome.returncode != 0:
         print(f"minidist bench batch: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode

@@ -236,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
                 outcome = run_threads([os.path.abspath(__file__), *argv], n)
             else:  # large tensors straight from mmap, and back on free: RSS follows what is live
                 env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
-                outcome = launch(["-m", "minidist.bench_zero", *argv], n, args.backend, env=env)
+                outcome = launch(["-m", "minidist.bench.zero", *argv], n, args.backend, env=env)
             if outcome.returncode != 0:
                 print(f"minidist bench zero: {outcome.report()}", file=sys.stderr, end="")
                 return outcome.returncode

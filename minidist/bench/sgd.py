@@ -226,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
     argv += ["--json"] if args.json else []
     if args.backend == "threads":
         return run_threads([os.path.abspath(__file__), *argv], args.n).returncode
-    return launch(["-m", "minidist.bench_sgd", *argv], args.n, args.backend).returncode
+    return launch(["-m", "minidist.bench.sgd", *argv], args.n, args.backend).returncode
 
 
 def rank_main(argv: list[str]) -> None:

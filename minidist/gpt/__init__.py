@@ -1,0 +1,9 @@
+"""The main job: a small GPT trained with every technique of the syllabus composed.
+
+model.py      the GPT, whole and cut for dp x pp x tp
+data.py       the shipped text (data/sonnets.txt), as batches
+train.py      the techniques composed around the model, in a fixed order; one training step
+reference.py  the single-process run every layout must equal
+resume.py     checkpoints: atomic, verified, loadable into any layout
+cli.py        `minidist train`: progress, memory, bytes per dimension, bubble, --check
+"""
