@@ -205,6 +205,15 @@ def column_slice(t_full: torch.Tensor, rank: int, p: int, parts: int = 1) -> tor
     return blocks[:, rank * n : (rank + 1) * n].reshape(parts * n, *t_full.shape[1:])
 
 
+def from_full(cls, linear: nn.Linear, tp_comm, **kwargs):
+    """A cls (ColumnParallelLinear or RowParallelLinear) holding this rank's slice of linear:
+    the same features, dtype and device, then load_full_ (each class knows its slice)."""
+    w = linear.weight  # (O, I)
+    has_bias = linear.bias is not None
+    layer = cls(w.shape[1], w.shape[0], tp_comm, has_bias, dtype=w.dtype, device=w.device, **kwargs)
+    return layer.load_full_(w, linear.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (the output features) split: rank r keeps rows r*O/p..(r+1)*O/p
     of W and b (of each of `parts` stacked blocks: parts=3 for a fused q|k|v projection).
@@ -233,13 +242,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // p, **kw)) if bias else None
         self.load_full_(*master_linear(in_features, out_features, seed, bias, dtype))
 
-    @classmethod
-    def from_full(cls, linear: nn.Linear, tp_comm, **kwargs) -> ColumnParallelLinear:
-        """This rank's slice of an nn.Linear (kwargs: gather_output, parts, sequence_parallel)."""
-        w = linear.weight
-        layer = cls(w.shape[1], w.shape[0], tp_comm, linear.bias is not None,
-                    dtype=w.dtype, device=w.device, **kwargs)  # fmt: skip
-        return layer.load_full_(w, linear.bias)
+    # this rank's slice of an nn.Linear; kwargs: gather_output, parts, sequence_parallel
+    from_full = classmethod(from_full)
 
     @torch.no_grad()
     def load_full_(self, w_full: torch.Tensor, b_full: torch.Tensor | None = None):
@@ -282,13 +286,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.load_full_(*master_linear(in_features, out_features, seed, bias, dtype))
 
-    @classmethod
-    def from_full(cls, linear: nn.Linear, tp_comm, **kwargs) -> RowParallelLinear:
-        """This rank's slice of an nn.Linear (kwargs: input_is_parallel, sequence_parallel)."""
-        w = linear.weight
-        layer = cls(w.shape[1], w.shape[0], tp_comm, linear.bias is not None,
-                    dtype=w.dtype, device=w.device, **kwargs)  # fmt: skip
-        return layer.load_full_(w, linear.bias)
+    # this rank's slice of an nn.Linear; kwargs: input_is_parallel, sequence_parallel
+    from_full = classmethod(from_full)
 
     @torch.no_grad()
     def load_full_(self, w_full: torch.Tensor, b_full: torch.Tensor | None = None):
