@@ -14,7 +14,8 @@ for its receiver (the papers' model; a blocking send waits for the receive on mp
 and on gloo), waited for by the end of the step.
 Memory per rank: its 1/p of the layers, plus the activations of peak_activations(program)
 microbatches: GPipe m, 1F1B min(p - s, m), ZB-H1 min(p, m) (B's graph is kept for W);
-`ActivationMemory` measures the bytes.
+memory.SavedTensorMeter measures the bytes (stage.memory: its peak, and
+bytes_of[(microbatch, chunk)]; the step's inputs, targets and the weights left out).
 Ladder: GPipe -> 1F1B -> interleaved (v chunks per rank) -> ZB-H1 (backward split into B, the
 input gradient, and W, the weight gradient): one executor; the program decides.
 Paper: as schedules.py; the B/W split: Qi et al., Zero Bubble Pipeline Parallelism (2023), s. 2.
@@ -34,7 +35,6 @@ between virtual stages, kind), so no message can be taken for another.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from minidist.comm.wrappers import Tracer
+from minidist.memory import SavedTensorMeter
 from minidist.schedules import BACKWARD_INPUT, COMPUTE, LETTER, Op, Program, Rows, peer
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
@@ -68,51 +69,6 @@ def _header(t: torch.Tensor) -> torch.Tensor:
 def _label(op: Op, n_chunks: int) -> str:
     """'F3' the forward of microbatch 3; 'F3.1' on chunk 1, if there are chunks (as schedules)."""
     return f"{LETTER[op.kind]}{op.microbatch}" + (f".{op.chunk}" if n_chunks > 1 else "")
-
-
-def _nbytes(*tensors: torch.Tensor) -> dict[int, int]:
-    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-
-
-class ActivationMemory:
-    """Bytes a stage keeps for backward. A (microbatch, chunk) holds, from its forward to its
-    backward (or W), the distinct tensors autograd saved (parameters excluded) plus its input
-    and output; a tensor held by several counts once. `now`, `peak` (over a run), `bytes_of`."""
-
-    def __init__(self):
-        self.reset(set())
-
-    def reset(self, parameters: set[int]) -> None:
-        self.skip = parameters  # data_ptr of weights: autograd saves them too
-        self.held: dict[tuple[int, int], dict[int, int]] = {}
-        self.owners: dict[int, int] = {}  # data_ptr -> how many keys hold it
-        self.bytes_of: dict[tuple[int, int], int] = {}  # each key's bytes, kept after release
-        self.now = self.peak = 0
-
-    @contextlib.contextmanager
-    def saving(self):
-        """Yields a dict {data_ptr: nbytes} of what autograd saves inside the block."""
-        found: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() not in self.skip:
-                found[t.data_ptr()] = max(found.get(t.data_ptr(), 0), t.numel() * t.element_size())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield found
-
-    def hold(self, key: tuple[int, int], tensors: dict[int, int]) -> None:
-        self.held[key], self.bytes_of[key] = tensors, sum(tensors.values())
-        for ptr, n in tensors.items():
-            self.owners[ptr] = self.owners.get(ptr, 0) + 1
-            self.now += n if self.owners[ptr] == 1 else 0
-        self.peak = max(self.peak, self.now)
-
-    def release(self, key: tuple[int, int]) -> None:
-        for ptr, n in self.held.pop(key).items():
-            self.owners[ptr] -= 1
-            self.now -= n if self.owners[ptr] == 0 else 0
 
 
 @dataclass
@@ -168,7 +124,7 @@ class PipelineStage:
         # where received tensors go: a stage of layers without weights needs to be told
         default = params[0].device if params else getattr(comm, "device", "cpu")
         self.device = torch.device(device or default)
-        self.memory = ActivationMemory()
+        self.memory = SavedTensorMeter()  # each run's: bytes_of[(microbatch, chunk)], peak
         self.spans: list[tuple] = []  # (start, end, kind, microbatch, chunk) of the last run
 
     def run(self, program: Program, inputs=None, targets=None) -> list[torch.Tensor]:
@@ -179,7 +135,9 @@ class PipelineStage:
         self._check(program, m, inputs, targets)
         self.step, self.spans = _Step(inputs, targets, m), []
         self.split = any(op.kind == BACKWARD_INPUT for op in program)  # ZB: B and W apart
-        self.memory.reset({q.data_ptr() for chunk in self.chunks for q in chunk.parameters()})
+        params = [q for chunk in self.chunks for q in chunk.parameters()]
+        # the weights, inputs and targets are alive anyway: a microbatch's bytes are the rest
+        self.memory = SavedTensorMeter(exclude=[*params, *(inputs or []), *(targets or [])])
         for op in program:  # each op kind is the name of the method that does it
             if op.kind in COMPUTE and self.tracer is not None:
                 with self.tracer.span(_label(op, self.v)) as span:
@@ -221,7 +179,7 @@ class PipelineStage:
     def forward(self, op: Op) -> None:
         i, c, step = op.microbatch, op.chunk, self.step
         x = step.inputs[i] if self._virtual(c) == 0 else step.acts.pop((i, c))
-        with self.memory.saving() as saved:
+        with self.memory.counting((i, c)):
             pieces = self._pieces(self.chunks[c], x) if self.split else None
             out = pieces[-1].out if pieces else self.chunks[c](x)
             if self._last(c):  # ZB: the loss is a piece of its own, after a cut
@@ -230,7 +188,6 @@ class PipelineStage:
                 step.losses[i] = loss.detach()
                 out = loss / step.m  # the convention: the step's loss is the batch mean
                 pieces = pieces + [_Piece(y, out, [])] if self.split else None
-        self.memory.hold((i, c), saved | _nbytes(x, out))
         step.stash[i, c] = (x, out, pieces)
         if self._last(c):
             return
@@ -257,7 +214,6 @@ class PipelineStage:
         grad = None if self._last(c) else self.step.grads.pop((i, c))  # None: d loss = 1
         if out.requires_grad:
             torch.autograd.backward(out, grad)
-        self.memory.release((i, c))
         self._pass_back(i, c, x, x.grad)
 
     def backward_input(self, op: Op) -> None:
@@ -283,7 +239,6 @@ class PipelineStage:
         for piece in pieces:
             if piece.params and piece.grad_out is not None and piece.out.requires_grad:
                 torch.autograd.backward(piece.out, piece.grad_out, inputs=piece.params)
-        self.memory.release((i, c))
 
     def _pass_back(self, i: int, c: int, x: torch.Tensor, g: torch.Tensor | None) -> None:
         """Hand the input gradient g to the previous virtual stage (none before the first)."""

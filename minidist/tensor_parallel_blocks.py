@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minidist.memory import SavedTensorMeter
 from minidist.tensor_parallel import (
     ColumnParallelLinear,
     ReduceScatterToSequence,
@@ -231,20 +232,11 @@ class ParallelTransformerBlock(nn.Module):
 
 
 def saved_activation_nbytes(module: nn.Module, run) -> tuple[int, object]:
-    """(bytes autograd keeps for backward while run() executes, run()'s result): each storage
-    counted once, the module's parameters left out. A measurement, not an estimate."""
-    params = {q.untyped_storage().data_ptr() for q in module.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:  # called for every tensor saved for backward
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """(bytes autograd keeps for backward while run() executes, run()'s result): the peak of
+    memory.SavedTensorMeter, the module's parameters left out. A measurement, not an estimate."""
+    with SavedTensorMeter(exclude=module.parameters()) as meter:
         out = run()
-    return sum(kept.values()), out
+    return meter.peak, out
 
 
 def activation_elements(b: int, t: int, d: int, h: int, d_ff: int, p: int, sp: bool) -> int:
