@@ -227,7 +227,7 @@ def _load_mine(zero, pieces: list, whole: dict, groups: list | None, scaler: dic
             group.update({k: v for k, v in saved.items() if k != "params"})
     if zero.mixed and scaler is not None:
         zero.scaler.load_state_dict(scaler)
-    zero._publish()  # the model takes the loaded values (mixed precision: rounded)
+    zero.publish()  # the model takes the loaded values (mixed precision: rounded)
 
 
 def _whole(module: nn.Module) -> dict[str, torch.Tensor]:
