@@ -224,9 +224,19 @@ class ColumnParallelLinear(nn.Module):
     (B, T, O/p) through LinearWithSequenceGather instead of f.
     Built from a seed (master_linear(I, O, seed), sliced) or from an nn.Linear (from_full)."""
 
-    def __init__(self, in_features: int, out_features: int, tp_comm, bias: bool = True,
-                 gather_output: bool = False, parts: int = 1, sequence_parallel: bool = False,
-                 seed: int = 0, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_comm,
+        bias: bool = True,
+        gather_output: bool = False,
+        parts: int = 1,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         p = tp_comm.world_size
         if out_features % (parts * p):  # each part (q, k, v) splits evenly over the ranks
@@ -272,9 +282,18 @@ class RowParallelLinear(nn.Module):
     y's elements forward. sequence_parallel: (B, T, I/p) -> y_local: (B, T/p, O), a reduce-scatter
     along T instead of g (the bias's gradient then needs f: each rank sees T/p tokens)."""
 
-    def __init__(self, in_features: int, out_features: int, tp_comm, bias: bool = True,
-                 input_is_parallel: bool = False, sequence_parallel: bool = False,
-                 seed: int = 0, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_comm,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         p = tp_comm.world_size
         check_divisible("in_features", in_features, p)

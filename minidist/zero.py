@@ -356,8 +356,9 @@ class ZeRO3(ZeRO2):
 
     own_shard = True
 
-    def __init__(self, module, comm, optimizer, optimizer_kwargs=None, units=None, prefetch=True,
-                 **options):  # fmt: skip
+    def __init__(
+        self, module, comm, optimizer, optimizer_kwargs=None, units=None, prefetch=True, **options
+    ):
         if "bucket_bytes" in options or "groups" in options:
             raise TypeError("ZeRO3's units are modules (units=[...]), not buckets or groups")
         modules, groups = zero3.unit_groups(module, units)  # forward order

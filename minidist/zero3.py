@@ -168,10 +168,12 @@ class Gatherer:
     def _after_forward(self, i: int, module, args, output) -> None:
         unit, outputs = self.order[i], output if isinstance(output, (tuple, list)) else [output]
         held = unit.flat.untyped_storage().data_ptr()
-        if held and any(torch.is_tensor(t) and t.untyped_storage().data_ptr() == held
-                        for t in outputs):  # fmt: skip
-            raise FreedParameterError(f"{unit.label} returned its own parameters (or a view of "
-                                      "them), which ZeRO-3 frees after the forward")  # fmt: skip
+        tensors = [t for t in outputs if torch.is_tensor(t)]
+        if held and any(t.untyped_storage().data_ptr() == held for t in tensors):
+            raise FreedParameterError(
+                f"{unit.label} returned its own parameters (or a view of them), which ZeRO-3 "
+                "frees after the forward"
+            )
         self.free(unit)
         for t in outputs:
             if torch.is_tensor(t) and t.requires_grad:
@@ -218,12 +220,12 @@ class FreedParameterError(RuntimeError):
 # what a freed parameter still answers: metadata, gradients and hooks, never its values; and
 # autograd may name it (autograd.backward(..., inputs=), autograd.grad): what backward reads,
 # the saved tensors, stays whole until all the unit's gradients are in
-METADATA = {"shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "ndim", "grad_fn",
-            "layout", "names", "is_cuda", "is_meta", "is_sparse", "size", "dim", "numel",
-            "nelement", "element_size", "is_floating_point", "is_complex", "stride", "__len__",
-            "__hash__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-            "untyped_storage", "data_ptr", "storage_offset", "is_contiguous",
-            "backward"}  # fmt: skip
+METADATA = set(
+    "shape dtype device grad requires_grad is_leaf ndim grad_fn layout names is_cuda is_meta "
+    "is_sparse size dim numel nelement element_size is_floating_point is_complex stride __len__ "
+    "__hash__ requires_grad_ register_hook register_post_accumulate_grad_hook untyped_storage "
+    "data_ptr storage_offset is_contiguous backward".split()
+)
 
 
 def _refuse(cls, func, types, args=(), kwargs=None):
@@ -246,8 +248,11 @@ def _refuse(cls, func, types, args=(), kwargs=None):
 @functools.cache
 def freed_class(cls: type) -> type:
     """The class a parameter of class cls wears while its unit is freed (FreedParameter)."""
-    return type(f"Freed{cls.__name__}", (cls,), {"__torch_function__": classmethod(_refuse),
-                                                 "zero3_freed": True})  # fmt: skip
+    return type(
+        f"Freed{cls.__name__}",
+        (cls,),
+        {"__torch_function__": classmethod(_refuse), "zero3_freed": True},
+    )
 
 
 FreedParameter = freed_class(nn.Parameter)
@@ -278,6 +283,11 @@ def held(module: nn.Module):
             yield from held(child)
 
 
+def _owns(module: nn.Module) -> bool:
+    """Whether module runs and holds a trainable parameter: a unit by default."""
+    return runs(module) and any(q.requires_grad for q in held(module))
+
+
 def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
     """(unit modules, their trainable parameters) in forward (registration) order.
 
@@ -287,13 +297,14 @@ def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
     parameters go up to the module that runs; tied ones to the unit around both holders);
     units left without any are dropped.
     """
-    owns = lambda m: runs(m) and any(q.requires_grad for q in held(m))  # noqa: E731
     paths = {id(m): n or "the root" for n, m in module.named_modules()}
     idle = [f"{paths[id(m)]} ({type(m).__name__})" for m in units or [] if not runs(m)]
     if idle:
-        raise ValueError(f"units {idle} never run a forward of their own: no hook would "
-                         "gather them; name the module whose forward uses them")  # fmt: skip
-    picked = units if units is not None else [m for m in module.modules() if owns(m)]
+        raise ValueError(
+            f"units {idle} never run a forward of their own: no hook would "
+            "gather them; name the module whose forward uses them"
+        )
+    picked = units if units is not None else [m for m in module.modules() if _owns(m)]
     chosen = {id(m) for m in picked} | {id(module)}
     order = [m for m in module.modules() if id(m) in chosen]  # outer before inner
     inside = [{id(x) for x in m.modules()} for m in order]
@@ -308,8 +319,10 @@ def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
             groups[min(around, key=lambda k: len(inside[k]))].append(q)  # the innermost
     kept = [k for k in range(len(order)) if groups[k]]
     if not runs(module) and groups[0]:
-        raise ValueError(f"{len(groups[0])} parameters belong to no module that runs: the root "
-                         f"{type(module).__name__} never runs a forward of its own")  # fmt: skip
+        raise ValueError(
+            f"{len(groups[0])} parameters belong to no module that runs: the root "
+            f"{type(module).__name__} never runs a forward of its own"
+        )
     for k in kept:
         if len({(q.dtype, q.device) for q in groups[k]}) > 1:
             raise ValueError(f"unit {type(order[k]).__name__} mixes dtypes or devices")

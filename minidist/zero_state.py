@@ -57,8 +57,9 @@ def resolve_groups(module: nn.Module, param_groups: list[dict] | None):
             if not q.requires_grad:
                 continue  # frozen: whole on every rank, nothing to step
             if id(q) in index:
-                raise ValueError(f"parameter {name_of[id(q)]!r} is in param groups "
-                                 f"{index[id(q)]} and {g}")  # fmt: skip
+                raise ValueError(
+                    f"parameter {name_of[id(q)]!r} is in param groups {index[id(q)]} and {g}"
+                )
             index[id(q)] = g
     missing = [name_of[id(q)] for q in trainable if id(q) not in index]
     if missing:
