@@ -17,7 +17,7 @@ does not shrink model state; it halves the activations and the model copy. (Mici
 count 16 by keeping only float16 gradients; the float32 buffer here is what makes gradient
 accumulation over microbatches exact to float32.) With ZeRO the 20 shrink by sharding: masters,
 Adam state and float32 gradients live on one rank each: 4 + 12/p (ZeRO-1), 2 + 16/p (ZeRO-2),
-18/p (ZeRO-3) bytes per parameter (zero3.py; the paper's 16/p keeps 16-bit gradient shards).
+18/p (ZeRO-3) bytes per parameter (zero_cost.py; the paper's 16/p keeps 16-bit gradient shards).
 Loss scaling: gradients are computed for scale * loss, so small ones stay above float16's
 smallest number (2^-24); divided by scale in float32 afterwards. Dynamic: a step with any inf
 or nan is skipped and the scale halved; after growth_interval clean steps in a row it doubles.

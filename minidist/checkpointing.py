@@ -37,11 +37,13 @@ Decisions a user must know:
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+
+# the meter this lesson checks its formula with; it lives in memory.py, one for every lesson
+from minidist.memory import SavedTensorMeter as SavedTensorMeter
 
 
 def segment_size(n_blocks: int, policy: str | int) -> int:
@@ -168,55 +170,3 @@ class CheckpointedSequential(nn.Module):
         for segment in self.segments:
             x = checkpoint(segment, x)  # keeps x only; the segment reruns in backward
         return x
-
-
-class _Held:
-    """A saved tensor in the meter's hands; its bytes are released when autograd drops it."""
-
-    def __init__(self, t: torch.Tensor, meter: SavedTensorMeter, key: int):
-        self.t = t
-        weakref.finalize(self, meter._release, key)
-
-
-class SavedTensorMeter:
-    """Live and peak bytes of the tensors autograd saves for backward, while inside `with`.
-
-    Counts each storage once (a tensor saved by two ops, or a view of a saved one, is one
-    allocation) and skips the storages of `exclude` (the parameters: they are alive anyway).
-    Wrap forward *and* backward: recomputation saves tensors during backward. The hooks are
-    thread-local, so each thread-rank meters its own graph. When autograd fires them: pack
-    when an op saves a tensor for backward, unpack when backward reads it.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self.live, self.peak = 0, 0
-        self.holders: dict[int, list[int]] = {}  # storage address -> [count, nbytes]
-
-    def __enter__(self) -> SavedTensorMeter:
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key in self.skip:
-            return t
-        if key not in self.holders:
-            self.holders[key] = [0, t.untyped_storage().nbytes()]
-            self.live += self.holders[key][1]
-            self.peak = max(self.peak, self.live)
-        self.holders[key][0] += 1
-        return _Held(t, self, key)
-
-    @staticmethod
-    def _unpack(held) -> torch.Tensor:
-        return held.t if isinstance(held, _Held) else held
-
-    def _release(self, key: int) -> None:
-        self.holders[key][0] -= 1
-        if self.holders[key][0] == 0:
-            self.live -= self.holders.pop(key)[1]

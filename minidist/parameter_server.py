@@ -205,8 +205,10 @@ class _Server:
             raise BadRequest(f"unknown request kind {kind}")
         if kind in (PUSH, LAST) and (numel, code) != (self.w.numel(), dtype_code(self.w.dtype)):
             got = DTYPES[code] if 0 <= code < len(DTYPES) else f"dtype code {code}"
-            raise BadRequest(f"a gradient of {numel} x {got}; this server's shard is "
-                             f"{self.w.numel()} x {self.w.dtype}")  # fmt: skip
+            raise BadRequest(
+                f"a gradient of {numel} x {got}; this server's shard is "
+                f"{self.w.numel()} x {self.w.dtype}"
+            )
 
     def handle(self, link: _Link, kind, clock: int, payload) -> None:
         """Act on one whole request of a live worker."""

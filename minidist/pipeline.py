@@ -14,7 +14,8 @@ for its receiver (the papers' model; a blocking send waits for the receive on mp
 and on gloo), waited for by the end of the step.
 Memory per rank: its 1/p of the layers, plus the activations of peak_activations(program)
 microbatches: GPipe m, 1F1B min(p - s, m), ZB-H1 min(p, m) (B's graph is kept for W);
-`ActivationMemory` measures the bytes.
+memory.SavedTensorMeter measures the bytes (stage.memory: its peak, and
+bytes_of[(microbatch, chunk)]; the step's inputs, targets and the weights left out).
 Ladder: GPipe -> 1F1B -> interleaved (v chunks per rank) -> ZB-H1 (backward split into B, the
 input gradient, and W, the weight gradient): one executor; the program decides.
 Paper: as schedules.py; the B/W split: Qi et al., Zero Bubble Pipeline Parallelism (2023), s. 2.
@@ -34,19 +35,18 @@ between virtual stages, kind), so no message can be taken for another.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from minidist import schedules as sch
 from minidist.comm.wrappers import Tracer
-from minidist.schedules import BACKWARD_INPUT, COMPUTE, LETTER, Op, Program, Rows, peer
+from minidist.memory import SavedTensorMeter
+from minidist.schedules import COMPUTE, LETTER, Op, Program, Rows, peer
 
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-MAX_DIMS = 6
-HEADER, ACT, GRAD = 0, 1, 2  # the kinds of message, part of each tag
+WEIGHT_GRADS = (sch.BACKWARD, sch.BACKWARD_WEIGHT)  # the ops after which on_backward runs
 
 
 def split_microbatches(batch: torch.Tensor, n_microbatches: int) -> list[torch.Tensor]:
@@ -57,7 +57,25 @@ def split_microbatches(batch: torch.Tensor, n_microbatches: int) -> list[torch.T
     return list(batch.split(n // n_microbatches))
 
 
-def _header(t: torch.Tensor) -> torch.Tensor:
+def _label(op: Op, n_chunks: int) -> str:
+    """'F3' the forward of microbatch 3; 'F3.1' on chunk 1, if there are chunks (as schedules)."""
+    return f"{LETTER[op.kind]}{op.microbatch}" + (f".{op.chunk}" if n_chunks > 1 else "")
+
+
+# ---- messages: each has its own tag; a header tells a chunk's shape -------------------------
+
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+MAX_DIMS = 6
+HEADER, ACT, GRAD = 0, 1, 2  # the kinds of message, part of each tag
+
+
+def message_tag(microbatch: int, boundary: int, kind: int, n_virtual: int) -> int:
+    """The tag of a message of `kind` for `microbatch` across boundary u (between virtual stages
+    u and u + 1 of n_virtual): distinct for every message of a step."""
+    return 3 * (microbatch * n_virtual + boundary) + kind
+
+
+def header(t: torch.Tensor) -> torch.Tensor:
     """(2 + MAX_DIMS,) int64: dtype index, ndim, the dims, zeros."""
     if t.dim() > MAX_DIMS or t.dtype not in DTYPES:
         raise ValueError(f"cannot pass a {t.dim()}-d {t.dtype} between stages: {DTYPES=}")
@@ -65,64 +83,55 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor(dims, dtype=torch.int64, device=t.device)
 
 
-def _label(op: Op, n_chunks: int) -> str:
-    """'F3' the forward of microbatch 3; 'F3.1' on chunk 1, if there are chunks (as schedules)."""
-    return f"{LETTER[op.kind]}{op.microbatch}" + (f".{op.chunk}" if n_chunks > 1 else "")
+def read_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) from a header."""
+    dtype, ndim, *dims = h.tolist()
+    return tuple(dims[:ndim]), DTYPES[dtype]
 
 
-def _nbytes(*tensors: torch.Tensor) -> dict[int, int]:
-    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-
-
-class ActivationMemory:
-    """Bytes a stage keeps for backward. A (microbatch, chunk) holds, from its forward to its
-    backward (or W), the distinct tensors autograd saved (parameters excluded) plus its input
-    and output; a tensor held by several counts once. `now`, `peak` (over a run), `bytes_of`."""
-
-    def __init__(self):
-        self.reset(set())
-
-    def reset(self, parameters: set[int]) -> None:
-        self.skip = parameters  # data_ptr of weights: autograd saves them too
-        self.held: dict[tuple[int, int], dict[int, int]] = {}
-        self.owners: dict[int, int] = {}  # data_ptr -> how many keys hold it
-        self.bytes_of: dict[tuple[int, int], int] = {}  # each key's bytes, kept after release
-        self.now = self.peak = 0
-
-    @contextlib.contextmanager
-    def saving(self):
-        """Yields a dict {data_ptr: nbytes} of what autograd saves inside the block."""
-        found: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() not in self.skip:
-                found[t.data_ptr()] = max(found.get(t.data_ptr(), 0), t.numel() * t.element_size())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield found
-
-    def hold(self, key: tuple[int, int], tensors: dict[int, int]) -> None:
-        self.held[key], self.bytes_of[key] = tensors, sum(tensors.values())
-        for ptr, n in tensors.items():
-            self.owners[ptr] = self.owners.get(ptr, 0) + 1
-            self.now += n if self.owners[ptr] == 1 else 0
-        self.peak = max(self.peak, self.now)
-
-    def release(self, key: tuple[int, int]) -> None:
-        for ptr, n in self.held.pop(key).items():
-            self.owners[ptr] -= 1
-            self.now -= n if self.owners[ptr] == 0 else 0
+# ---- the zero-bubble split: a chunk run layer by layer, so B and W can run apart -------------
 
 
 @dataclass
-class _Piece:
+class LayerPiece:
     """One layer of a chunk run for ZB: its (detached) input, output, weights, output gradient."""
 
     inp: torch.Tensor
     out: torch.Tensor
     params: list[nn.Parameter]
     grad_out: torch.Tensor | None = None
+
+
+def run_in_pieces(chunk: nn.Module, x: torch.Tensor) -> list[LayerPiece]:
+    """Run chunk layer by layer, each layer on a detached copy of its input: then B and W
+    can run per layer, W long after B. A chunk that is not an nn.Sequential is one piece:
+    its W then redoes the input gradients inside it (correct, but as slow as a backward)."""
+    pieces, h = [], x
+    for layer in chunk if isinstance(chunk, nn.Sequential) else [chunk]:
+        inp = h.detach().requires_grad_(h.requires_grad)
+        h = layer(inp)
+        pieces.append(LayerPiece(inp, h, [q for q in layer.parameters() if q.requires_grad]))
+    return pieces
+
+
+def input_gradient(pieces: list[LayerPiece], g: torch.Tensor | None) -> torch.Tensor | None:
+    """ZB's B: the gradient of the first piece's input from g, the last piece's output
+    gradient, layer by layer from the last; each piece keeps its output gradient for W, and
+    the graph stays (retain_graph). None where nothing flows back."""
+    for piece in reversed(pieces):
+        piece.grad_out = g
+        if g is None or not (piece.inp.requires_grad and piece.out.requires_grad):
+            g = None  # nothing flows further back
+            continue
+        (g,) = torch.autograd.grad(piece.out, piece.inp, g, retain_graph=True, allow_unused=True)
+    return g
+
+
+def weight_gradients(pieces: list[LayerPiece]) -> None:
+    """ZB's W: each layer's weight gradients (into .grad) from the output gradient B kept."""
+    for piece in pieces:
+        if piece.params and piece.grad_out is not None and piece.out.requires_grad:
+            torch.autograd.backward(piece.out, piece.grad_out, inputs=piece.params)
 
 
 @dataclass
@@ -168,7 +177,17 @@ class PipelineStage:
         # where received tensors go: a stage of layers without weights needs to be told
         default = params[0].device if params else getattr(comm, "device", "cpu")
         self.device = torch.device(device or default)
-        self.memory = ActivationMemory()
+        self.memory = SavedTensorMeter()  # each run's: bytes_of[(microbatch, chunk)], peak
+        self.table = {  # what this stage does for each kind of op (the schedule's constants)
+            sch.FORWARD: self.forward,
+            sch.BACKWARD: self.backward,
+            sch.BACKWARD_INPUT: self.backward_input,
+            sch.BACKWARD_WEIGHT: self.backward_weight,
+            sch.RECV_ACT: self.recv_act,
+            sch.SEND_ACT: self.send_act,
+            sch.RECV_GRAD: self.recv_grad,
+            sch.SEND_GRAD: self.send_grad,
+        }
         self.spans: list[tuple] = []  # (start, end, kind, microbatch, chunk) of the last run
 
     def run(self, program: Program, inputs=None, targets=None) -> list[torch.Tensor]:
@@ -178,24 +197,33 @@ class PipelineStage:
         m = 1 + max(op.microbatch for op in program)
         self._check(program, m, inputs, targets)
         self.step, self.spans = _Step(inputs, targets, m), []
-        self.split = any(op.kind == BACKWARD_INPUT for op in program)  # ZB: B and W apart
-        self.memory.reset({q.data_ptr() for chunk in self.chunks for q in chunk.parameters()})
-        for op in program:  # each op kind is the name of the method that does it
-            if op.kind in COMPUTE and self.tracer is not None:
-                with self.tracer.span(_label(op, self.v)) as span:
-                    getattr(self, op.kind)(op)
-                a = self.tracer.t0 + span.event["ts"] * 1e-6  # perf_counter seconds
-                b = a + span.event["dur"] * 1e-6
-                self.spans.append((a, b, COMPUTE.index(op.kind), op.microbatch, op.chunk))
-            else:
-                getattr(self, op.kind)(op)
-            if self.on_backward is not None and op.kind in ("backward", "backward_weight"):
+        self.split = any(op.kind == sch.BACKWARD_INPUT for op in program)  # ZB: B and W apart
+        params = [q for chunk in self.chunks for q in chunk.parameters()]
+        # the weights, inputs and targets are alive anyway: a microbatch's bytes are the rest
+        self.memory = SavedTensorMeter(exclude=[*params, *(inputs or []), *(targets or [])])
+        for op in program:
+            self._execute(op)
+            if self.on_backward is not None and op.kind in WEIGHT_GRADS:
                 self.on_backward(op)
             self._reap_sends(wait_all=False)
         self._reap_sends(wait_all=True)
         return [self.step.losses[i] for i in range(m)] if self.step.losses else []
 
+    def _execute(self, op: Op) -> None:
+        """Do op through the table; with a Tracer, a compute op is recorded as a span."""
+        if op.kind not in COMPUTE or self.tracer is None:
+            self.table[op.kind](op)
+            return
+        with self.tracer.span(_label(op, self.v)) as span:
+            self.table[op.kind](op)
+        a = self.tracer.t0 + span.event["ts"] * 1e-6  # perf_counter seconds
+        b = a + span.event["dur"] * 1e-6
+        self.spans.append((a, b, COMPUTE.index(op.kind), op.microbatch, op.chunk))
+
     def _check(self, program: Program, m: int, inputs, targets) -> None:
+        unknown = sorted({op.kind for op in program} - self.table.keys())
+        if unknown:
+            raise ValueError(f"the program has ops of kinds {unknown}; known: {list(self.table)}")
         v = 1 + max(op.chunk for op in program)
         if v != self.v:
             raise ValueError(f"the program runs v={v} chunks per stage; this stage has {self.v}")
@@ -213,24 +241,22 @@ class PipelineStage:
         return self._virtual(chunk) == self.p * self.v - 1
 
     def _tag(self, microbatch: int, boundary: int, kind: int) -> int:
-        """Boundary u lies between virtual stages u and u + 1."""
-        return 3 * (microbatch * self.p * self.v + boundary) + kind
+        return message_tag(microbatch, boundary, kind, self.p * self.v)
 
     # ---- compute ---------------------------------------------------------------------------
 
     def forward(self, op: Op) -> None:
         i, c, step = op.microbatch, op.chunk, self.step
         x = step.inputs[i] if self._virtual(c) == 0 else step.acts.pop((i, c))
-        with self.memory.saving() as saved:
-            pieces = self._pieces(self.chunks[c], x) if self.split else None
+        with self.memory.counting((i, c)):
+            pieces = run_in_pieces(self.chunks[c], x) if self.split else None
             out = pieces[-1].out if pieces else self.chunks[c](x)
             if self._last(c):  # ZB: the loss is a piece of its own, after a cut
                 y = out.detach().requires_grad_(out.requires_grad) if self.split else out
                 loss = self.loss_fn(y, step.targets[i])
                 step.losses[i] = loss.detach()
                 out = loss / step.m  # the convention: the step's loss is the batch mean
-                pieces = pieces + [_Piece(y, out, [])] if self.split else None
-        self.memory.hold((i, c), saved | _nbytes(x, out))
+                pieces = pieces + [LayerPiece(y, out, [])] if self.split else None
         step.stash[i, c] = (x, out, pieces)
         if self._last(c):
             return
@@ -239,17 +265,6 @@ class PipelineStage:
         else:
             step.outs[i, c] = out.detach()
 
-    def _pieces(self, chunk: nn.Module, x: torch.Tensor) -> list[_Piece]:
-        """Run chunk layer by layer, each layer on a detached copy of its input: then B and W
-        can run per layer, W long after B. A chunk that is not an nn.Sequential is one piece:
-        its W then redoes the input gradients inside it (correct, but as slow as a backward)."""
-        pieces, h = [], x
-        for layer in chunk if isinstance(chunk, nn.Sequential) else [chunk]:
-            inp = h.detach().requires_grad_(h.requires_grad)
-            h = layer(inp)
-            pieces.append(_Piece(inp, h, [q for q in layer.parameters() if q.requires_grad]))
-        return pieces
-
     def backward(self, op: Op) -> None:
         """Input and weight gradients at once (GPipe, 1F1B, interleaved)."""
         i, c = op.microbatch, op.chunk
@@ -257,33 +272,20 @@ class PipelineStage:
         grad = None if self._last(c) else self.step.grads.pop((i, c))  # None: d loss = 1
         if out.requires_grad:
             torch.autograd.backward(out, grad)
-        self.memory.release((i, c))
         self._pass_back(i, c, x, x.grad)
 
     def backward_input(self, op: Op) -> None:
-        """ZB's B: the gradient of the chunk's input, layer by layer from the last; each
-        layer's output gradient is kept for its W, and so is the graph (retain_graph)."""
+        """ZB's B: the chunk's input gradient (input_gradient); the pieces stay for W."""
         i, c = op.microbatch, op.chunk
         x, out, pieces = self.step.stash[i, c]
         g = torch.ones_like(out) if self._last(c) else self.step.grads.pop((i, c))
-        for piece in reversed(pieces):
-            piece.grad_out = g
-            if g is None or not (piece.inp.requires_grad and piece.out.requires_grad):
-                g = None  # nothing flows further back
-                continue
-            (g,) = torch.autograd.grad(
-                piece.out, piece.inp, g, retain_graph=True, allow_unused=True
-            )
-        self._pass_back(i, c, x, g)
+        self._pass_back(i, c, x, input_gradient(pieces, g))
 
     def backward_weight(self, op: Op) -> None:
-        """ZB's W: each layer's weight gradients from its output gradient, saved by B."""
+        """ZB's W: the chunk's weight gradients (weight_gradients), from what B kept."""
         i, c = op.microbatch, op.chunk
         _, _, pieces = self.step.stash.pop((i, c))
-        for piece in pieces:
-            if piece.params and piece.grad_out is not None and piece.out.requires_grad:
-                torch.autograd.backward(piece.out, piece.grad_out, inputs=piece.params)
-        self.memory.release((i, c))
+        weight_gradients(pieces)
 
     def _pass_back(self, i: int, c: int, x: torch.Tensor, g: torch.Tensor | None) -> None:
         """Hand the input gradient g to the previous virtual stage (none before the first)."""
@@ -301,10 +303,9 @@ class PipelineStage:
         i, c, rank = op.microbatch, op.chunk, self.comm.rank
         src, boundary = peer(op, rank, self.p)[0], self._virtual(c) - 1
         if i == 0:  # microbatch 0 brings the shape of the chunk's messages this step
-            header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-            self.comm.recv(header, src, self._tag(i, boundary, HEADER))
-            dtype, ndim, *dims = header.tolist()
-            self.step.shapes_in[c] = (tuple(dims[:ndim]), DTYPES[dtype])
+            h = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+            self.comm.recv(h, src, self._tag(i, boundary, HEADER))
+            self.step.shapes_in[c] = read_header(h)
         if c not in self.step.shapes_in:
             raise RuntimeError(f"stage {rank}: microbatch {i} of chunk {c} came before 0")
         shape, dtype = self.step.shapes_in[c]
@@ -321,7 +322,7 @@ class PipelineStage:
         )
         if i == 0:
             self.step.shapes_out[c] = (tuple(y.shape), y.dtype)
-            self._isend(_header(y), dst, self._tag(i, boundary, HEADER))
+            self._isend(header(y), dst, self._tag(i, boundary, HEADER))
         elif (tuple(y.shape), y.dtype) != self.step.shapes_out[c]:
             raise ValueError(
                 f"stage {self.comm.rank}: microbatch {i} of chunk {c} has output "

@@ -232,7 +232,10 @@ def simulate(
     cost = dict(zip(COMPUTE, (cost_f, cost_b, cost_b - cost_w, cost_w), strict=True))
     n, timeline, sent, moved = len(schedules), [[] for _ in schedules], {}, True
     pc, clock = [0] * n, [0.0] * n
-    at = lambda s: schedules[s][pc[s]] if pc[s] < len(schedules[s]) else None  # noqa: E731
+
+    def at(s: int) -> Op | None:  # the op stage s waits at, None once it is done
+        return schedules[s][pc[s]] if pc[s] < len(schedules[s]) else None
+
     while moved:  # sweep the stages, each as far as it can go, until none moves
         moved = False
         for s, ops in enumerate(schedules):

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minidist.memory import SavedTensorMeter
 from minidist.tensor_parallel import (
     ColumnParallelLinear,
     ReduceScatterToSequence,
@@ -57,8 +58,16 @@ class VocabParallelEmbedding(nn.Module):
     sequence_parallel a reduce-scatter along T instead -> (B, T/p, D). Built from a seed (the full
     table drawn N(0, 1) as nn.Embedding does, from torch.Generator(seed)) or from_full."""
 
-    def __init__(self, vocab_size: int, d_model: int, tp_comm, sequence_parallel: bool = False,
-                 seed: int = 0, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        tp_comm,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         self.tp_comm, self.sequence_parallel = tp_comm, sequence_parallel
         self.vocab_size = vocab_size
@@ -82,8 +91,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got "
-                             f"[{ids.min().item()}, {ids.max().item()}]")  # fmt: skip
+            raise ValueError(
+                f"token ids must lie in [0, {self.vocab_size}), got "
+                f"[{ids.min().item()}, {ids.max().item()}]"
+            )
         mine = (ids >= self.lo) & (ids < self.lo + self.v_local)  # (B, T)
         e = F.embedding(torch.where(mine, ids - self.lo, 0), self.weight)  # (B, T, D)
         e = e.masked_fill(~mine[..., None], 0.0)  # another rank owns these tokens
@@ -116,14 +127,23 @@ class ParallelMLP(nn.Module):
     x: (B, T, D) -> (B, T, D); sequence_parallel: (B, T/p, D) -> (B, T/p, D). Seeds: fc1 seed,
     fc2 seed + 1."""
 
-    def __init__(self, d_model: int, d_ff: int, tp_comm, seed: int = 0,
-                 sequence_parallel: bool = False, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        tp_comm,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         check_divisible("d_ff", d_ff, tp_comm.world_size)
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
         self.fc1 = ColumnParallelLinear(d_model, d_ff, tp_comm, seed=seed, **kw)
-        self.fc2 = RowParallelLinear(d_ff, d_model, tp_comm, input_is_parallel=True,
-                                     seed=seed + 1, **kw)  # fmt: skip
+        self.fc2 = RowParallelLinear(
+            d_ff, d_model, tp_comm, input_is_parallel=True, seed=seed + 1, **kw
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))  # (B, T, d_ff/p) in between
@@ -136,8 +156,17 @@ class ParallelSelfAttention(nn.Module):
     its heads alone (no communication), proj is row-parallel: one f, one g. x: (B, T, D) ->
     (B, T, D); sequence_parallel: (B, T/p, D) -> (B, T/p, D). Seeds: qkv seed, proj seed + 1."""
 
-    def __init__(self, d_model: int, n_heads: int, tp_comm, causal: bool = True, seed: int = 0,
-                 sequence_parallel: bool = False, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        tp_comm,
+        causal: bool = True,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -145,8 +174,9 @@ class ParallelSelfAttention(nn.Module):
         self.causal = causal
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, tp_comm, parts=3, seed=seed, **kw)
-        self.proj = RowParallelLinear(d_model, d_model, tp_comm, input_is_parallel=True,
-                                      seed=seed + 1, **kw)  # fmt: skip
+        self.proj = RowParallelLinear(
+            d_model, d_model, tp_comm, input_is_parallel=True, seed=seed + 1, **kw
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv_local = self.qkv(x)  # (B, T, 3D/p): T whole, also with sequence parallelism
@@ -160,12 +190,24 @@ class TransformerBlock(nn.Module):
     fc2 (D, F), ln1, ln2. Seeded as the parallel block is: master_linear with qkv seed,
     proj seed + 1, fc1 seed + 2, fc2 seed + 3; LayerNorms ones and zeros."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, causal: bool = True,
-                 seed: int = 0, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        causal: bool = True,
+        seed: int = 0,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         self.n_heads, self.causal = n_heads, causal
-        shapes = {"qkv": (d_model, 3 * d_model), "proj": (d_model, d_model),
-                  "fc1": (d_model, d_ff), "fc2": (d_ff, d_model)}  # fmt: skip
+        shapes = {
+            "qkv": (d_model, 3 * d_model),
+            "proj": (d_model, d_model),
+            "fc1": (d_model, d_ff),
+            "fc2": (d_ff, d_model),
+        }
         for i, (name, (fan_in, fan_out)) in enumerate(shapes.items()):
             layer = nn.utils.skip_init(
                 nn.Linear, fan_in, fan_out, dtype=dtype, device=device or "cpu"
@@ -192,9 +234,18 @@ class ParallelTransformerBlock(nn.Module):
     and their weights pass through f so the gradients are summed over the ranks.
     Built from a seed (equal to TransformerBlock(seed=seed), sliced) or from_full(block)."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, tp_comm, causal: bool = True,
-                 seed: int = 0, sequence_parallel: bool = False,
-                 dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        tp_comm,
+        causal: bool = True,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         self.tp_comm, self.sequence_parallel = tp_comm, sequence_parallel
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype, "device": device}
@@ -208,8 +259,16 @@ class ParallelTransformerBlock(nn.Module):
         """This rank's slices of a TransformerBlock's weights (anything with its layout)."""
         w = block.qkv.weight
         d_model, d_ff = w.shape[1], block.fc1.weight.shape[0]
-        new = cls(d_model, block.n_heads, d_ff, tp_comm, block.causal,
-                  sequence_parallel=sequence_parallel, dtype=w.dtype, device=w.device)  # fmt: skip
+        new = cls(
+            d_model,
+            block.n_heads,
+            d_ff,
+            tp_comm,
+            block.causal,
+            sequence_parallel=sequence_parallel,
+            dtype=w.dtype,
+            device=w.device,
+        )
         new.attn.qkv.load_full_(block.qkv.weight, block.qkv.bias)
         new.attn.proj.load_full_(block.proj.weight, block.proj.bias)
         new.mlp.fc1.load_full_(block.fc1.weight, block.fc1.bias)
@@ -231,20 +290,11 @@ class ParallelTransformerBlock(nn.Module):
 
 
 def saved_activation_nbytes(module: nn.Module, run) -> tuple[int, object]:
-    """(bytes autograd keeps for backward while run() executes, run()'s result): each storage
-    counted once, the module's parameters left out. A measurement, not an estimate."""
-    params = {q.untyped_storage().data_ptr() for q in module.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:  # called for every tensor saved for backward
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """(bytes autograd keeps for backward while run() executes, run()'s result): the peak of
+    memory.SavedTensorMeter, the module's parameters left out. A measurement, not an estimate."""
+    with SavedTensorMeter(exclude=module.parameters()) as meter:
         out = run()
-    return sum(kept.values()), out
+    return meter.peak, out
 
 
 def activation_elements(b: int, t: int, d: int, h: int, d_ff: int, p: int, sp: bool) -> int:

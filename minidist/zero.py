@@ -55,9 +55,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minidist import zero_state
+from minidist import zero3, zero_state
 from minidist.amp import LossScaler, Precision, skip_step
 from minidist.collectives import Launcher
+from minidist.zero3 import Unit
+
+# re-exported: the state of any stage, consolidated on one rank and cut again (zero_state.py)
+from minidist.zero_state import consolidate as consolidate
+from minidist.zero_state import load_consolidated as load_consolidated
 
 
 @dataclass(frozen=True)
@@ -124,48 +129,6 @@ def group_by_bytes(params: list, bucket_bytes: int | None) -> list[list]:
     return groups
 
 
-class _Unit:
-    """Parameters sharded together: a flat buffer (p S,) of them all (the parameters become
-    views into it), this rank's shard (S,), a master shard (S,) if precision, and the
-    bookkeeping of one backward."""
-
-    def __init__(self, params: list[nn.Parameter], comm, own_shard: bool, precision=None):
-        p, r = comm.world_size, comm.rank
-        self.params, self.plan = params, partition([q.numel() for q in params], p)
-        S = self.plan.shard_numel
-        full = torch.zeros(p * S, dtype=params[0].dtype, device=params[0].device)  # (p S,)
-        with torch.no_grad():
-            for q, off in zip(params, self.plan.offsets, strict=True):
-                full[off : off + q.numel()].copy_(q.reshape(-1))
-        comm.broadcast(full, 0)  # every rank starts from rank 0's values
-        self.dtypes = precision or Precision(full.dtype, full.dtype, full.dtype)
-        self.master = None  # mixed precision: a master shard, from the values before rounding
-        if precision is not None:
-            self.master = full[r * S : (r + 1) * S].to(precision.master, copy=True)  # (S,)
-        full = full.to(self.dtypes.compute)  # (p S,) the model's copy
-        self.shard = full[r * S : (r + 1) * S]  # (S,) a view into the model's copy
-        if own_shard:  # ZeRO-3: the shard is all that stays; the full buffer comes and goes
-            self.shard = self.shard.clone()
-            # a fresh buffer that no comm ever sees: the MPI backend exposes buffers through
-            # numpy, which makes a storage non-resizable for good, and zero3 frees by resizing
-            full = torch.empty_like(full)
-        self.flat = full
-        for q, off in zip(params, self.plan.offsets, strict=True):
-            q.data = self.flat[off : off + q.numel()].view_as(q)
-        if own_shard:
-            self.flat.untyped_storage().resize_(0)  # freed until zero3 gathers it
-        self.pieces = self.plan.pieces(r)
-        self.stepped = self.shard if self.master is None else self.master  # by the optimizer
-        self.tensors = [self.stepped[c.at : c.at + c.hi - c.lo] for c in self.pieces]  # views
-        self.ready = [False] * len(params)  # got this backward's gradient
-        # used: 1 where this rank had a gradient this round (P,); has_grad: some rank had one
-        self.used = torch.zeros(len(params), dtype=self.dtypes.master, device=full.device)
-        self.has_grad = [False] * len(params)  # ... since zero_grad
-        self.grad_shard: torch.Tensor | None = None  # (S,) the averaged gradient, master dtype
-        self.work = self.grad_flat = self.recv = None  # a reduce-scatter in flight
-        self.gather_work = self.landing = None  # ZeRO-3: an all-gather in flight
-
-
 class ZeRO1(nn.Module):
     """Stage 1: the optimizer state is sharded; each rank steps only its shard of every unit.
 
@@ -203,7 +166,11 @@ class ZeRO1(nn.Module):
         self.overflow_comm = comm if overflow_comm is None else overflow_comm
         self.steps, self.skipped = 0, []  # skipped: the steps skipped for inf/nan, from 0
         groups = groups if groups is not None else group_by_bytes(trainable, bucket_bytes)
-        self.units = [_Unit(g, comm, self.own_shard, precision) for g in groups]
+        plans = [partition([q.numel() for q in g], comm.world_size) for g in groups]
+        self.units = [
+            Unit(g, plan, comm, self.own_shard, precision)
+            for g, plan in zip(groups, plans, strict=True)
+        ]
         self.where = {id(q): (u, i) for u in self.units for i, q in enumerate(u.params)}
         if len(self.where) != len(trainable):
             raise ValueError(f"groups hold {len(self.where)} of {len(trainable)} parameters")
@@ -243,7 +210,7 @@ class ZeRO1(nn.Module):
             self._launch(unit)
             self.next_launch += 1
 
-    def _launch(self, unit: _Unit) -> None:
+    def _launch(self, unit: Unit) -> None:
         """Copy the unit's gradients into a padded flat buffer, free them, reduce-scatter."""
         # lab 07.2 begin: fill unit.grad_flat (zeros where no grad), note unit.used, free .grad
         unit.grad_flat = unit.flat.new_zeros(unit.flat.shape, dtype=unit.dtypes.reduce)  # (p S,)
@@ -256,7 +223,7 @@ class ZeRO1(nn.Module):
         unit.work = self.launcher.reduce_scatter(unit.recv, unit.grad_flat)
         # lab 07.2 end
 
-    def _land(self, unit: _Unit) -> None:
+    def _land(self, unit: Unit) -> None:
         """Wait for a unit's reduce-scatter; add the average into its gradient shard, in the
         master dtype (microbatches accumulate there) and unscaled: clipping sees true values."""
         unit.work.wait()
@@ -320,10 +287,10 @@ class ZeRO1(nn.Module):
             self.skipped.append(self.steps - 1)  # masters, optimizer state, model: unchanged
             return False
         self.optimizer.step()
-        self._publish()
+        self.publish()
         return True
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """All-gather each unit's updated shard into every rank's flat buffer (the model);
         mixed precision: the master shard rounded to the compute dtype (fewer bytes)."""
         # copies, as a collective's input may not overlap its output (MPI); rounded if mixed
@@ -353,11 +320,11 @@ class ZeRO1(nn.Module):
 
     def state_dict(self, dst: int = 0) -> dict | None:
         """The full state, consolidated on rank dst (None elsewhere): zero_state.consolidate."""
-        return zero_state.consolidate(self, dst)
+        return consolidate(self, dst)
 
     def load_state_dict(self, state: dict | None, src: int = 0) -> None:
         """Load a consolidated state given on rank src, into a world of any size and stage."""
-        zero_state.load_consolidated(self, state, src)
+        load_consolidated(self, state, src)
 
 
 class ZeRO2(ZeRO1):
@@ -381,6 +348,42 @@ class ZeRO2(ZeRO1):
         self._launch_ready(all_remaining=False)
 
 
+class ZeRO3(ZeRO2):
+    """Stage 3: each rank keeps only its shard of each unit's parameters (own_shard); a unit is
+    gathered just before its module's forward and backward and freed after (zero3.Gatherer).
+    units: the modules whose parameters are gathered together (zero3.unit_groups); prefetch:
+    start gathering the next unit while this one computes. Other options as ZeRO1's."""
+
+    own_shard = True
+
+    def __init__(
+        self, module, comm, optimizer, optimizer_kwargs=None, units=None, prefetch=True, **options
+    ):
+        if "bucket_bytes" in options or "groups" in options:
+            raise TypeError("ZeRO3's units are modules (units=[...]), not buckets or groups")
+        modules, groups = zero3.unit_groups(module, units)  # forward order
+        options["groups"] = groups[::-1]  # launched in backward order
+        super().__init__(module, comm, optimizer, optimizer_kwargs, **options)
+        self.gatherer = zero3.Gatherer(module, modules, self.units[::-1], self.launcher, prefetch)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        super()._on_grad(param)  # ZeRO-2: note it, reduce-scatter complete units in order
+        unit, _ = self.where[id(param)]
+        if all(unit.ready):  # autograd has used every copy of these parameters: free them
+            self.gatherer.free(unit)
+
+    def finish_gradient_sync(self) -> None:
+        if self.pending:
+            self.gatherer.free_all()  # a prefetched unit that was not used this step
+        super().finish_gradient_sync()
+
+    def publish(self) -> None:
+        self.gatherer.publish()  # no all-gather: each forward gathers the new shards
+
+    def gathered(self):
+        return self.gatherer.gathered()
+
+
 def wrap(module: nn.Module, dp_comm, optimizer, stage: int, optimizer_kwargs=None, **options):
     """ZeRO1, ZeRO2 or ZeRO3 (stage 1, 2, 3) around module over dp_comm.
 
@@ -389,11 +392,7 @@ def wrap(module: nn.Module, dp_comm, optimizer, stage: int, optimizer_kwargs=Non
     parameters are gathered together), param_groups (torch's list of dicts, naming parameters:
     zero_state.py), precision, scaler, overflow_comm (mixed precision).
     """
-    if stage == 3:
-        from minidist.zero3 import ZeRO3  # zero3 builds on this module: import late
-
-        return ZeRO3(module, dp_comm, optimizer, optimizer_kwargs, **options)
-    if stage not in (1, 2):
+    rungs = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
+    if stage not in rungs:
         raise ValueError(f"stage={stage} is not 1, 2 or 3 (stage 0 is data_parallel)")
-    rung = ZeRO1 if stage == 1 else ZeRO2
-    return rung(module, dp_comm, optimizer, optimizer_kwargs, **options)
+    return rungs[stage](module, dp_comm, optimizer, optimizer_kwargs, **options)

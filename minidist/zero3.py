@@ -1,8 +1,9 @@
-"""ZeRO-3: the parameters are sharded too, gathered unit by unit just before they are used and
-freed after, never read while freed; and what it costs (the formulas, and counting the bytes).
+"""ZeRO's units of parameters, and ZeRO-3's life of them: each unit's parameters live in one flat
+buffer cut into p shards (Unit, every stage); ZeRO-3 keeps only the shard, gathers a unit just
+before its module runs and frees it after (Gatherer), and a freed parameter refuses to be read.
 
 Equals: one process training on the whole batch with the same torch optimizer, float64 1e-12
-relative, as ZeRO1/ZeRO2 in zero.py (the ladder's first rungs and the shared machinery).
+relative: zero.ZeRO3 is ZeRO2 with own_shard and a Gatherer (zero.py: the ladder and wrap).
 Communication per step, per rank (p ranks, Psi trainable elements of b bytes, ring):
 all-gather of each unit before its forward and again before its backward, reduce-scatter of
 its gradients: 3 (p-1)/p Psi b, 1.5x data parallelism's 2 (p-1)/p Psi b.
@@ -11,11 +12,11 @@ plus the full parameters of the units being used: the current one and the prefet
 Mixed precision (bfloat16 model, float32 masters, Adam), bytes per element, stages 0..3: the
 paper's (section 3.1, figure 1) 2 + 2 + 12 -> 4 + 12/p -> 2 + 14/p -> 16/p; held here
 2 + (2 + 4) + 12 -> 4 + 12/p -> 2 + 16/p -> 18/p: the gradient shard is float32, so gradient
-accumulation adds in float32 (model_state_nbytes with m = 4). ZeRO-1 also holds its one
+accumulation adds in float32 (zero_cost.model_state_nbytes with m = 4). ZeRO-1 also holds its one
 unit's whole gradient in the reduce dtype during the sync (ZeRO-2's buckets bound that).
 Mixed precision communication: the two all-gathers move the compute dtype (bfloat16: half the
-bytes), the reduce-scatter the reduce dtype: (p-1)/p Psi (2 c + r) (sent_nbytes).
-Ladder: ZeRO1 -> ZeRO2 (zero.py) -> ZeRO3 (here: gather before use, free after, prefetch; a
+bytes), the reduce-scatter the reduce dtype: (p-1)/p Psi (2 c + r) (zero_cost.sent_nbytes).
+Ladder: ZeRO1 -> ZeRO2 -> ZeRO3 (zero.py; here: gather before use, free after, prefetch; a
 freed parameter refuses to be read) -> the state consolidated and re-sharded (zero_state.py).
 Paper: Rajbhandari et al., ZeRO (SC 2020), section 5.3 (P_os+g+p) and 7.2; the same idea is
 PyTorch's FSDP (Zhao et al., VLDB 2023) with FULL_SHARD.   Lesson: lessons/07_zero/.
@@ -62,57 +63,87 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from minidist.amp import LossScaler, Precision
-from minidist.zero import ZeRO2
+from minidist.amp import Precision
+
+# re-exported: the main job and bench_zero import ZeRO's accounting from here (zero_cost.py)
+from minidist.memory import storage_nbytes as storage_nbytes
+from minidist.zero_cost import memory_nbytes as memory_nbytes
+from minidist.zero_cost import model_state_nbytes as model_state_nbytes
+from minidist.zero_cost import sent_nbytes as sent_nbytes
 
 
-class ZeRO3(ZeRO2):
-    """Stage 3: each rank keeps only its shard of each unit's parameters (own_shard)."""
+class Unit:
+    """Parameters sharded together: a flat buffer (p S,) of them all (the parameters become
+    views into it), this rank's shard (S,), a master shard (S,) if precision, and the
+    bookkeeping of one backward."""
 
-    own_shard = True
+    def __init__(self, params: list[nn.Parameter], plan, comm, own_shard: bool, precision=None):
+        """plan: zero.partition of the parameters' sizes over comm's ranks."""
+        p, r = comm.world_size, comm.rank
+        self.params, self.plan = params, plan
+        S = self.plan.shard_numel
+        full = torch.zeros(p * S, dtype=params[0].dtype, device=params[0].device)  # (p S,)
+        with torch.no_grad():
+            for q, off in zip(params, self.plan.offsets, strict=True):
+                full[off : off + q.numel()].copy_(q.reshape(-1))
+        comm.broadcast(full, 0)  # every rank starts from rank 0's values
+        self.dtypes = precision or Precision(full.dtype, full.dtype, full.dtype)
+        self.master = None  # mixed precision: a master shard, from the values before rounding
+        if precision is not None:
+            self.master = full[r * S : (r + 1) * S].to(precision.master, copy=True)  # (S,)
+        full = full.to(self.dtypes.compute)  # (p S,) the model's copy
+        self.shard = full[r * S : (r + 1) * S]  # (S,) a view into the model's copy
+        if own_shard:  # ZeRO-3: the shard is all that stays; the full buffer comes and goes
+            self.shard = self.shard.clone()
+            # a fresh buffer that no comm ever sees: the MPI backend exposes buffers through
+            # numpy, which makes a storage non-resizable for good, and Gatherer frees by resizing
+            full = torch.empty_like(full)
+        self.flat = full
+        for q, off in zip(params, self.plan.offsets, strict=True):
+            q.data = self.flat[off : off + q.numel()].view_as(q)
+        if own_shard:
+            self.flat.untyped_storage().resize_(0)  # freed until the Gatherer gathers it
+        self.pieces = self.plan.pieces(r)
+        self.stepped = self.shard if self.master is None else self.master  # by the optimizer
+        self.tensors = [self.stepped[c.at : c.at + c.hi - c.lo] for c in self.pieces]  # views
+        self.ready = [False] * len(params)  # got this backward's gradient
+        # used: 1 where this rank had a gradient this round (P,); has_grad: some rank had one
+        self.used = torch.zeros(len(params), dtype=self.dtypes.master, device=full.device)
+        self.has_grad = [False] * len(params)  # ... since zero_grad
+        self.grad_shard: torch.Tensor | None = None  # (S,) the averaged gradient, master dtype
+        self.work = self.grad_flat = self.recv = None  # a reduce-scatter in flight
+        self.gather_work = self.landing = None  # ZeRO-3: an all-gather in flight
 
-    def __init__(
-        self,
-        module: nn.Module,
-        comm,
-        optimizer,
-        optimizer_kwargs: dict | None = None,
-        units: list[nn.Module] | None = None,
-        algorithm: str = "library",
-        prefetch: bool = True,
-        param_groups: list[dict] | None = None,
-        precision: Precision | None = None,
-        scaler: LossScaler | None = None,
-        overflow_comm=None,
-    ):
-        modules, groups = unit_groups(module, units)  # forward order
-        options = {"algorithm": algorithm, "groups": groups[::-1]}  # launched in backward order
-        options |= {"param_groups": param_groups, "precision": precision, "scaler": scaler}
-        super().__init__(module, comm, optimizer, optimizer_kwargs, overflow_comm=overflow_comm,
-                         **options)  # fmt: skip
-        self.order = self.units[::-1]  # order[i]: the unit of modules[i]
-        self.prefetch = prefetch
+
+class Gatherer:
+    """ZeRO-3's hooks: each unit whole just before its module's forward and again before its
+    backward (prefetching the next one), freed after. order[i]: the Unit of modules[i], in
+    forward order; launcher: the all-gathers' (collectives.Launcher). The caller (zero.ZeRO3)
+    frees a unit once all its gradients are in, and calls publish after each step."""
+
+    def __init__(self, module: nn.Module, modules: list, order: list, launcher, prefetch: bool):
+        self.order, self.launcher, self.prefetch = order, launcher, prefetch
         paths = {id(m): n for n, m in module.named_modules()}
         names = {id(q): n for n, q in module.named_parameters()}
-        for i, (m, unit) in enumerate(zip(modules, self.order, strict=True)):
+        for i, (m, unit) in enumerate(zip(modules, order, strict=True)):
             m.register_forward_pre_hook(partial(self._before_forward, i))
             m.register_forward_hook(partial(self._after_forward, i))
             unit.label = f"unit {i} ({paths[id(m)] or 'the root'}: {type(m).__name__})"
             unit.classes = [type(q) for q in unit.params]
             for q in unit.params:  # what a FreedParameterError names
                 q.zero3_name = f"parameter {names[id(q)]!r} of {unit.label}"
-            wear(unit, freed=True)  # _Unit freed the full buffer already
+            wear(unit, freed=True)  # Unit freed the full buffer already
 
-    def _start_gather(self, unit) -> None:
-        """Start all-gathering the unit's shards (into a landing buffer: see _Unit)."""
+    def start_gather(self, unit: Unit) -> None:
+        """Start all-gathering the unit's shards (into a landing buffer: see Unit)."""
         if is_whole(unit) or unit.landing is not None:
             return  # gathered already, or on its way
         unit.landing = torch.empty(unit.flat.shape, dtype=unit.flat.dtype, device=unit.flat.device)
         unit.gather_work = self.launcher.all_gather(unit.landing, unit.shard)
 
-    def _gather(self, unit) -> None:
+    def gather(self, unit: Unit) -> None:
         """Make the unit's parameters whole: wait for its gather, copy it into place."""
-        self._start_gather(unit)
+        self.start_gather(unit)
         if unit.landing is not None:
             unit.gather_work.wait()
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
@@ -120,7 +151,7 @@ class ZeRO3(ZeRO2):
             unit.gather_work = unit.landing = None
             wear(unit, freed=False)
 
-    def _free(self, unit) -> None:
+    def free(self, unit: Unit) -> None:
         """Release the unit's full buffer. Views into it (the parameters, tensors autograd
         saved for backward) stay valid objects and see the data again once it is re-gathered."""
         if unit.gather_work is not None:  # a prefetch may still be writing into the buffer
@@ -130,62 +161,56 @@ class ZeRO3(ZeRO2):
         wear(unit, freed=True)
 
     def _before_forward(self, i: int, module, args) -> None:
-        self._gather(self.order[i])
+        self.gather(self.order[i])
         if self.prefetch and i + 1 < len(self.order):
-            self._start_gather(self.order[i + 1])  # overlaps with this unit's compute
+            self.start_gather(self.order[i + 1])  # overlaps with this unit's compute
 
     def _after_forward(self, i: int, module, args, output) -> None:
         unit, outputs = self.order[i], output if isinstance(output, (tuple, list)) else [output]
         held = unit.flat.untyped_storage().data_ptr()
-        if held and any(torch.is_tensor(t) and t.untyped_storage().data_ptr() == held
-                        for t in outputs):  # fmt: skip
-            raise FreedParameterError(f"{unit.label} returned its own parameters (or a view of "
-                                      "them), which ZeRO-3 frees after the forward")  # fmt: skip
-        self._free(unit)
+        tensors = [t for t in outputs if torch.is_tensor(t)]
+        if held and any(t.untyped_storage().data_ptr() == held for t in tensors):
+            raise FreedParameterError(
+                f"{unit.label} returned its own parameters (or a view of them), which ZeRO-3 "
+                "frees after the forward"
+            )
+        self.free(unit)
         for t in outputs:
             if torch.is_tensor(t) and t.requires_grad:
                 # fires when the output's gradient is ready: before this module's backward
                 t.register_hook(partial(self._before_backward, i))
 
     def _before_backward(self, i: int, grad: torch.Tensor) -> None:
-        self._gather(self.order[i])
+        self.gather(self.order[i])
         earlier = self.order[i - 1] if i > 0 else None
         if self.prefetch and earlier is not None and not all(earlier.ready):
-            self._start_gather(earlier)  # the unit whose backward comes next, probably
+            self.start_gather(earlier)  # the unit whose backward comes next, probably
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        super()._on_grad(param)  # ZeRO-2: note it, reduce-scatter complete units in order
-        unit, _ = self.where[id(param)]
-        if all(unit.ready):  # autograd has used every copy of these parameters: free them
-            self._free(unit)
+    def free_all(self) -> None:
+        """Free every unit (one prefetched but not used this step, too)."""
+        for unit in self.order:
+            self.free(unit)
 
-    def finish_gradient_sync(self) -> None:
-        if self.pending:
-            for unit in self.units:  # a prefetched unit that was not used this step
-                self._free(unit)
-        super().finish_gradient_sync()
-
-    def _publish(self) -> None:
-        """No all-gather after a step: each forward gathers the new shards (mixed precision:
+    def publish(self) -> None:
+        """After a step: no all-gather, each forward gathers the new shards (mixed precision:
         the master shard rounded into the compute-dtype shard first). A whole copy left over
         (a prefetch that no forward used) holds old values: drop it."""
-        for unit in self.units:
+        for unit in self.order:
             if unit.master is not None:
                 unit.shard.copy_(unit.master)  # rounds to the compute dtype
-            self._free(unit)
+            self.free(unit)
 
     @contextlib.contextmanager
     def gathered(self):
         """Every parameter whole inside the block (to evaluate, compare, save); freed after."""
         for unit in self.order:
-            self._start_gather(unit)
+            self.start_gather(unit)
         for unit in self.order:
-            self._gather(unit)
+            self.gather(unit)
         try:
             yield
         finally:
-            for unit in self.order:
-                self._free(unit)
+            self.free_all()
 
 
 class FreedParameterError(RuntimeError):
@@ -195,12 +220,12 @@ class FreedParameterError(RuntimeError):
 # what a freed parameter still answers: metadata, gradients and hooks, never its values; and
 # autograd may name it (autograd.backward(..., inputs=), autograd.grad): what backward reads,
 # the saved tensors, stays whole until all the unit's gradients are in
-METADATA = {"shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "ndim", "grad_fn",
-            "layout", "names", "is_cuda", "is_meta", "is_sparse", "size", "dim", "numel",
-            "nelement", "element_size", "is_floating_point", "is_complex", "stride", "__len__",
-            "__hash__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-            "untyped_storage", "data_ptr", "storage_offset", "is_contiguous",
-            "backward"}  # fmt: skip
+METADATA = set(
+    "shape dtype device grad requires_grad is_leaf ndim grad_fn layout names is_cuda is_meta "
+    "is_sparse size dim numel nelement element_size is_floating_point is_complex stride __len__ "
+    "__hash__ requires_grad_ register_hook register_post_accumulate_grad_hook untyped_storage "
+    "data_ptr storage_offset is_contiguous backward".split()
+)
 
 
 def _refuse(cls, func, types, args=(), kwargs=None):
@@ -223,8 +248,11 @@ def _refuse(cls, func, types, args=(), kwargs=None):
 @functools.cache
 def freed_class(cls: type) -> type:
     """The class a parameter of class cls wears while its unit is freed (FreedParameter)."""
-    return type(f"Freed{cls.__name__}", (cls,), {"__torch_function__": classmethod(_refuse),
-                                                 "zero3_freed": True})  # fmt: skip
+    return type(
+        f"Freed{cls.__name__}",
+        (cls,),
+        {"__torch_function__": classmethod(_refuse), "zero3_freed": True},
+    )
 
 
 FreedParameter = freed_class(nn.Parameter)
@@ -255,6 +283,11 @@ def held(module: nn.Module):
             yield from held(child)
 
 
+def _owns(module: nn.Module) -> bool:
+    """Whether module runs and holds a trainable parameter: a unit by default."""
+    return runs(module) and any(q.requires_grad for q in held(module))
+
+
 def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
     """(unit modules, their trainable parameters) in forward (registration) order.
 
@@ -264,13 +297,14 @@ def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
     parameters go up to the module that runs; tied ones to the unit around both holders);
     units left without any are dropped.
     """
-    owns = lambda m: runs(m) and any(q.requires_grad for q in held(m))  # noqa: E731
     paths = {id(m): n or "the root" for n, m in module.named_modules()}
     idle = [f"{paths[id(m)]} ({type(m).__name__})" for m in units or [] if not runs(m)]
     if idle:
-        raise ValueError(f"units {idle} never run a forward of their own: no hook would "
-                         "gather them; name the module whose forward uses them")  # fmt: skip
-    picked = units if units is not None else [m for m in module.modules() if owns(m)]
+        raise ValueError(
+            f"units {idle} never run a forward of their own: no hook would "
+            "gather them; name the module whose forward uses them"
+        )
+    picked = units if units is not None else [m for m in module.modules() if _owns(m)]
     chosen = {id(m) for m in picked} | {id(module)}
     order = [m for m in module.modules() if id(m) in chosen]  # outer before inner
     inside = [{id(x) for x in m.modules()} for m in order]
@@ -285,76 +319,11 @@ def unit_groups(module: nn.Module, units: list[nn.Module] | None = None):
             groups[min(around, key=lambda k: len(inside[k]))].append(q)  # the innermost
     kept = [k for k in range(len(order)) if groups[k]]
     if not runs(module) and groups[0]:
-        raise ValueError(f"{len(groups[0])} parameters belong to no module that runs: the root "
-                         f"{type(module).__name__} never runs a forward of its own")  # fmt: skip
+        raise ValueError(
+            f"{len(groups[0])} parameters belong to no module that runs: the root "
+            f"{type(module).__name__} never runs a forward of its own"
+        )
     for k in kept:
         if len({(q.dtype, q.device) for q in groups[k]}) > 1:
             raise ValueError(f"unit {type(order[k]).__name__} mixes dtypes or devices")
     return [order[k] for k in kept], [groups[k] for k in kept]
-
-
-# ---- what it costs: the formulas, and the bytes a rank holds ----------------------------------
-
-
-def model_state_nbytes(
-    stage: int, numel: int, p: int, b: int, k: float, m: int = 0
-) -> dict[str, float]:
-    """The paper's bytes per rank (section 5, figure 1) for numel elements: parameters and
-    gradients of b bytes, k b bytes of optimizer state per element (K = k b; stage 0: data
-    parallelism). Exact when p divides every unit's size, else shards carry < p pad elements.
-
-    m > 0: mixed precision as this project holds it: the optimizer steps a master copy of m
-    bytes per element and keeps its k states in m bytes (K = (1 + k) m: the paper's 12 for
-    float32 Adam); the gradient shard is kept in m bytes too, so microbatches accumulate in
-    float32. Stage 1 holds the model's gradients until the sync, then the shard (the larger
-    counts); stage 0 is amp.MixedPrecisionOptimizer, which keeps a whole float32 buffer."""
-    full, shard = numel * b, numel * b / p
-    if not m:
-        return {
-            "params": shard if stage >= 3 else full,
-            "grads": shard if stage >= 2 else full,
-            "optimizer": k * (shard if stage >= 1 else full),
-        }
-    master = numel * m / p if stage >= 1 else numel * m
-    return {
-        "params": shard if stage >= 3 else full,
-        "grads": {0: full + master, 1: max(full, master)}.get(stage, master),
-        "optimizer": (1 + k) * master,
-    }
-
-
-def sent_nbytes(stage: int, numel: int, p: int, b: int, r: int = 0) -> float:
-    """Bytes each rank sends per step with ring collectives (the used-flags not counted): the
-    all-gathers move the parameters' b bytes per element, the reduce-scatter (stage 0: the
-    all-reduce) the gradients' r bytes (mixed precision's reduce dtype; default b)."""
-    r = r or b
-    if stage == 0:
-        return 2 * (p - 1) / p * numel * r
-    return (p - 1) / p * numel * ((2 if stage == 3 else 1) * b + r)
-
-
-def memory_nbytes(zero) -> dict[str, int]:
-    """Bytes of model state a ZeRO object's rank holds now, counted by storage: params, grads,
-    optimizer (elementwise state and, with mixed precision, the master shard, as the paper
-    counts it; Adam's 0-d step counters left out) and buffers (in flight)."""
-    units = zero.units
-    state = [v for s in zero.optimizer.state.values() for v in s.values()]
-    state = [v for v in state if torch.is_tensor(v) and v.dim() > 0] + [u.master for u in units]
-    return {
-        "params": storage_nbytes([u.flat for u in units] + [u.shard for u in units]),
-        "grads": storage_nbytes(
-            [q.grad for u in units for q in u.params] + [u.grad_shard for u in units]
-        ),
-        "optimizer": storage_nbytes(state),
-        "buffers": storage_nbytes([t for u in units for t in (u.grad_flat, u.recv, u.landing)]),
-    }
-
-
-def storage_nbytes(tensors: list) -> int:
-    """Bytes of the distinct storages behind tensors (views counted once, freed ones as 0)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    seen.pop(0, None)  # freed or empty storages
-    return sum(seen.values())

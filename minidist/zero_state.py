@@ -57,8 +57,9 @@ def resolve_groups(module: nn.Module, param_groups: list[dict] | None):
             if not q.requires_grad:
                 continue  # frozen: whole on every rank, nothing to step
             if id(q) in index:
-                raise ValueError(f"parameter {name_of[id(q)]!r} is in param groups "
-                                 f"{index[id(q)]} and {g}")  # fmt: skip
+                raise ValueError(
+                    f"parameter {name_of[id(q)]!r} is in param groups {index[id(q)]} and {g}"
+                )
             index[id(q)] = g
     missing = [name_of[id(q)] for q in trainable if id(q) not in index]
     if missing:
@@ -227,7 +228,7 @@ def _load_mine(zero, pieces: list, whole: dict, groups: list | None, scaler: dic
             group.update({k: v for k, v in saved.items() if k != "params"})
     if zero.mixed and scaler is not None:
         zero.scaler.load_state_dict(scaler)
-    zero._publish()  # the model takes the loaded values (mixed precision: rounded)
+    zero.publish()  # the model takes the loaded values (mixed precision: rounded)
 
 
 def _whole(module: nn.Module) -> dict[str, torch.Tensor]:

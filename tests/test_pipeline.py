@@ -288,6 +288,8 @@ def bad_run(comm, what: str) -> None:
     xs = [torch.zeros(k + 1 if what == "shapes" else 1, 2, dtype=torch.float64) for k in range(2)]
     ys = [torch.zeros(len(x), 3, dtype=torch.float64) for x in xs]
     program = build_schedules("1f1b", p, 2)[r]
+    if what == "op":
+        program = [*program, type(program[0])("jump", 0)]  # no kind of the schedules module
     stage.run(program, None if what == "inputs" else xs, ys)
 
 
@@ -298,6 +300,7 @@ def bad_run(comm, what: str) -> None:
         ("inputs", "stage 0 needs the inputs of m=2 microbatches, got None"),
         ("chunks", "the program runs v=1 chunks per stage; this stage has 2"),
         ("shapes", r"microbatch 1 of chunk 0 has output \(2, 3\).*microbatch 0 had \(\(1, 3\)"),
+        ("op", r"the program has ops of kinds \['jump'\]; known: \['forward', "),
     ],
 )
 def test_mistakes_fail_clearly_not_hang(what, error):

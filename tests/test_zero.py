@@ -455,7 +455,7 @@ def counted_mixed_bytes(comm, stage: int, precision) -> dict:
 @pytest.mark.parametrize("p", [2, 4])
 def test_mixed_precision_all_gathers_half_the_bytes(stage, p):
     """bfloat16 parameters: the all-gathers send half the bytes of float32; the reduce-scatter
-    sends the reduce dtype's bytes (float32 or bfloat16); all as zero3.sent_nbytes says."""
+    sends the reduce dtype's bytes (float32 or bfloat16); all as zero_cost.sent_nbytes says."""
     n, flags = LAYERS * WIDTH * WIDTH, 2 * (p - 1) * LAYERS * 4  # float32 flags, all ranks
     sent = {}
     for name, precision in {
@@ -467,7 +467,7 @@ def test_mixed_precision_all_gathers_half_the_bytes(stage, p):
         sent[name] = {k: sum(row[k] for row in rows) for k in rows[0]}
         b, r = precision.compute.itemsize, precision.reduce.itemsize
         total = sent[name]["sync"] + sent[name]["step"]
-        assert total - flags == p * impl("zero3").sent_nbytes(stage, n, p, b, r), (name, sent)
+        assert total - flags == p * impl("zero_cost").sent_nbytes(stage, n, p, b, r), (name, sent)
     if stage < 3:  # the all-gather is all step() sends
         assert 2 * sent["bf16"]["step"] == sent["fp32"]["step"] == (p - 1) * n * 4, sent
     assert sent["bf16-reduce"]["sync"] - flags == (sent["fp32"]["sync"] - flags) / 2, sent
@@ -677,7 +677,7 @@ def whole_now(unit) -> bool:
 def counted_memory(comm, stage: int, precision=None) -> dict:
     """The peak of each kind of model state over a step, sampled between its phases; and for
     ZeRO-3 the most units whole at once during forward. precision: mixed, or None."""
-    zero3 = impl("zero3")
+    cost = impl("zero_cost")
     opts = {"bucket_bytes": 1} if stage == 2 else {}  # ZeRO-2: one unit per layer
     opts |= {} if precision is None else {"precision": precision}
     z = impl("zero").wrap(stack(), comm, torch.optim.Adam, stage, {"lr": 0.01}, **opts)
@@ -691,7 +691,7 @@ def counted_memory(comm, stage: int, precision=None) -> dict:
         layer.register_forward_pre_hook(count_whole)
 
     def sample():
-        for kind, n in zero3.memory_nbytes(z).items():
+        for kind, n in cost.memory_nbytes(z).items():
             peak[kind] = max(peak.get(kind, 0), n)
 
     for _ in range(2):
@@ -713,7 +713,7 @@ def counted_memory(comm, stage: int, precision=None) -> dict:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_bytes_held_are_the_papers_formulas(stage, p):
-    want = impl("zero3").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 8, 2)  # Adam: k=2
+    want = impl("zero_cost").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 8, 2)  # Adam: k=2
     for got in run_threads(counted_memory, p, stage):
         assert {k: got[k] for k in want} == want, (got, want)
         if stage == 3:  # the layer being computed and the prefetched next one; none after
@@ -729,7 +729,7 @@ def test_bytes_held_with_mixed_precision_are_the_formulas(stage, p):
     """bfloat16 model, float32 master shard and Adam state and gradient shard: 2 + 2 + 12/p
     bytes per element (ZeRO-1), 2 + 16/p (ZeRO-2), 18/p (ZeRO-3); ZeRO-1's gradients are the
     model's bfloat16 ones until the sync, then the float32 shard (the larger counts)."""
-    want = impl("zero3").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 2, 2, m=4)
+    want = impl("zero_cost").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 2, 2, m=4)
     for got in run_threads(counted_memory, p, stage, BF16):
         assert {k: got[k] for k in want} == want, (got, want)
 
@@ -760,7 +760,7 @@ def test_bytes_sent_equal_data_parallel_and_one_and_a_half_times_for_zero3(p):
     sent = {s: sum(run_threads(counted_step, p, s)) for s in range(4)}
     assert sent[1] == sent[2] == sent[0], sent  # the same P flags ride along in every stage
     assert sent[3] - flags == 1.5 * (sent[0] - flags), sent
-    formula = impl("zero3").sent_nbytes
+    formula = impl("zero_cost").sent_nbytes
     for s in range(4):
         assert sent[s] - flags == p * formula(s, n, p, 8), (s, sent)
 
@@ -831,15 +831,15 @@ def test_group_by_bytes_fills_buckets_in_order_and_splits_dtypes():
 
 @pytest.mark.pure
 def test_formulas():
-    zero3 = impl("zero3")
-    mixed = [sum(zero3.model_state_nbytes(s, 1000, 8, 2, 6).values()) for s in range(4)]
+    cost = impl("zero_cost")
+    mixed = [sum(cost.model_state_nbytes(s, 1000, 8, 2, 6).values()) for s in range(4)]
     assert mixed == [16000, 4000 + 1500, 2000 + 250 + 1500, 2000]  # 2+2+12 bytes/element
-    assert zero3.sent_nbytes(3, 1000, 4, 2) == 1.5 * zero3.sent_nbytes(1, 1000, 4, 2) == 4500
+    assert cost.sent_nbytes(3, 1000, 4, 2) == 1.5 * cost.sent_nbytes(1, 1000, 4, 2) == 4500
     # mixed precision as held here: 2-byte model, 4-byte masters, Adam, gradient shards
-    ours = [sum(zero3.model_state_nbytes(s, 1000, 8, 2, 2, m=4).values()) for s in range(4)]
+    ours = [sum(cost.model_state_nbytes(s, 1000, 8, 2, 2, m=4).values()) for s in range(4)]
     assert ours == [2000 + 6000 + 12000, 4000 + 1500, 2000 + 500 + 1500, 250 + 500 + 1500]
-    assert zero3.sent_nbytes(1, 1000, 4, 2, 4) == 750 * (2 + 4)  # gather bf16, reduce fp32
-    assert zero3.sent_nbytes(0, 1000, 4, 2, 4) == 2 * 750 * 4  # an all-reduce of the reduce
+    assert cost.sent_nbytes(1, 1000, 4, 2, 4) == 750 * (2 + 4)  # gather bf16, reduce fp32
+    assert cost.sent_nbytes(0, 1000, 4, 2, 4) == 2 * 750 * 4  # an all-reduce of the reduce
 
 
 @pytest.mark.pure

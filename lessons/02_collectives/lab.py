@@ -32,6 +32,7 @@ Lesson: lessons/02_collectives/.   Run: minidist bench allreduce -n 2 --backend 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -363,19 +364,18 @@ class Launcher:
         if self.pool is None:
             return library_work()
         future = self.pool.submit(ring_fn, *args, self.comm)
-        # a Work; not future.wait = future.result: that cycle would keep the result, a whole
-        # buffer, alive until the garbage collector runs
+        # a Work; not future.wait = future.result: that cycle would keep a buffer alive until gc
         return SimpleNamespace(wait=future.result, is_completed=future.done)
 
     def all_reduce(self, t: torch.Tensor) -> Work:
         """Start summing t in place over every rank (see ring_all_reduce)."""
-        return self._start(lambda: self.comm.iall_reduce(t, "sum"), ring_all_reduce, t)
+        return self._start(partial(self.comm.iall_reduce, t, "sum"), ring_all_reduce, t)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         """Start filling out with this rank's chunk of the sum of inp (see ring_reduce_scatter)."""
-        issue = lambda: self.comm.ireduce_scatter(out, inp, "sum")  # noqa: E731
+        issue = partial(self.comm.ireduce_scatter, out, inp, "sum")
         return self._start(issue, ring_reduce_scatter, out, inp)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         """Start filling out with every rank's inp, in rank order (see ring_all_gather)."""
-        return self._start(lambda: self.comm.iall_gather(out, inp), ring_all_gather, out, inp)
+        return self._start(partial(self.comm.iall_gather, out, inp), ring_all_gather, out, inp)

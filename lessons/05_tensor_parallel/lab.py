@@ -208,6 +208,15 @@ def column_slice(t_full: torch.Tensor, rank: int, p: int, parts: int = 1) -> tor
     return blocks[:, rank * n : (rank + 1) * n].reshape(parts * n, *t_full.shape[1:])
 
 
+def from_full(cls, linear: nn.Linear, tp_comm, **kwargs):
+    """A cls (ColumnParallelLinear or RowParallelLinear) holding this rank's slice of linear:
+    the same features, dtype and device, then load_full_ (each class knows its slice)."""
+    w = linear.weight  # (O, I)
+    has_bias = linear.bias is not None
+    layer = cls(w.shape[1], w.shape[0], tp_comm, has_bias, dtype=w.dtype, device=w.device, **kwargs)
+    return layer.load_full_(w, linear.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (the output features) split: rank r keeps rows r*O/p..(r+1)*O/p
     of W and b (of each of `parts` stacked blocks: parts=3 for a fused q|k|v projection).
@@ -218,9 +227,19 @@ class ColumnParallelLinear(nn.Module):
     (B, T, O/p) through LinearWithSequenceGather instead of f.
     Built from a seed (master_linear(I, O, seed), sliced) or from an nn.Linear (from_full)."""
 
-    def __init__(self, in_features: int, out_features: int, tp_comm, bias: bool = True,
-                 gather_output: bool = False, parts: int = 1, sequence_parallel: bool = False,
-                 seed: int = 0, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_comm,
+        bias: bool = True,
+        gather_output: bool = False,
+        parts: int = 1,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         p = tp_comm.world_size
         if out_features % (parts * p):  # each part (q, k, v) splits evenly over the ranks
@@ -236,13 +255,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // p, **kw)) if bias else None
         self.load_full_(*master_linear(in_features, out_features, seed, bias, dtype))
 
-    @classmethod
-    def from_full(cls, linear: nn.Linear, tp_comm, **kwargs) -> ColumnParallelLinear:
-        """This rank's slice of an nn.Linear (kwargs: gather_output, parts, sequence_parallel)."""
-        w = linear.weight
-        layer = cls(w.shape[1], w.shape[0], tp_comm, linear.bias is not None,
-                    dtype=w.dtype, device=w.device, **kwargs)  # fmt: skip
-        return layer.load_full_(w, linear.bias)
+    # this rank's slice of an nn.Linear; kwargs: gather_output, parts, sequence_parallel
+    from_full = classmethod(from_full)
 
     @torch.no_grad()
     def load_full_(self, w_full: torch.Tensor, b_full: torch.Tensor | None = None):
@@ -271,9 +285,18 @@ class RowParallelLinear(nn.Module):
     y's elements forward. sequence_parallel: (B, T, I/p) -> y_local: (B, T/p, O), a reduce-scatter
     along T instead of g (the bias's gradient then needs f: each rank sees T/p tokens)."""
 
-    def __init__(self, in_features: int, out_features: int, tp_comm, bias: bool = True,
-                 input_is_parallel: bool = False, sequence_parallel: bool = False,
-                 seed: int = 0, dtype=None, device=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_comm,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         p = tp_comm.world_size
         check_divisible("in_features", in_features, p)
@@ -285,13 +308,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.load_full_(*master_linear(in_features, out_features, seed, bias, dtype))
 
-    @classmethod
-    def from_full(cls, linear: nn.Linear, tp_comm, **kwargs) -> RowParallelLinear:
-        """This rank's slice of an nn.Linear (kwargs: input_is_parallel, sequence_parallel)."""
-        w = linear.weight
-        layer = cls(w.shape[1], w.shape[0], tp_comm, linear.bias is not None,
-                    dtype=w.dtype, device=w.device, **kwargs)  # fmt: skip
-        return layer.load_full_(w, linear.bias)
+    # this rank's slice of an nn.Linear; kwargs: input_is_parallel, sequence_parallel
+    from_full = classmethod(from_full)
 
     @torch.no_grad()
     def load_full_(self, w_full: torch.Tensor, b_full: torch.Tensor | None = None):

@@ -7,7 +7,7 @@ minidist run -n 4 --backend mpi lessons/07_zero/demo.py      # or --backend gloo
 import torch
 from torch import nn
 
-from minidist import zero, zero3
+from minidist import zero, zero_cost
 from minidist.comm import Counter, ObservedComm
 from minidist.launch import demo_init
 
@@ -37,9 +37,9 @@ def train(comm, stage: int, steps: int = 3) -> tuple[float, dict, float]:
         counter.reset()
         x_local = x[r * B : (r + 1) * B]  # (B, WIDTH): this rank's share
         nn.functional.mse_loss(z(x_local), x_local.flip(1)).backward()
-        before = zero3.memory_nbytes(z)  # ZeRO-1 still holds full gradients here
+        before = zero_cost.memory_nbytes(z)  # ZeRO-1 still holds full gradients here
         z.finish_gradient_sync()
-        after = zero3.memory_nbytes(z)  # gradient shards only (and last step's optimizer state)
+        after = zero_cost.memory_nbytes(z)  # gradient shards only (and last step's optimizer state)
         held = {k: max(before[k], after[k], held.get(k, 0)) for k in after}
         z.step()
         z.zero_grad()
@@ -58,15 +58,17 @@ def main(comm) -> None:
         for r in range(p):
             mine = " ".join(f"{names[c.index]}[{c.lo}:{c.hi}]" for c in plan.pieces(r))
             print(f"  rank {r} owns flat[{r}S : {r + 1}S], S={plan.shard_numel}: {mine}")
-        print("bytes per rank measured (formula: zero3.model_state_nbytes, zero3.sent_nbytes)")
+        print(
+            "bytes per rank measured (formula: zero_cost.model_state_nbytes, zero_cost.sent_nbytes)"
+        )
     for stage in (1, 2, 3):
         diff, held, sent = train(comm, stage)
-        want = zero3.model_state_nbytes(stage, n, p, 8, 2)  # float64: b = 8; AdamW: k = 2
+        want = zero_cost.model_state_nbytes(stage, n, p, 8, 2)  # float64: b = 8; AdamW: k = 2
         flags = 2 * (p - 1) / p * 6 * 8  # + the used-flags: a float64 per parameter tensor
         cells = "  ".join(f"{k} {held[k]:5d} ({want[k]:5.0f})" for k in want)
         if comm.rank == 0:
             print(f"ZeRO-{stage}: |diff| vs one process {diff:.0e}  {cells}  sent/step", end=" ")
-            print(f"{sent:5.0f} ({zero3.sent_nbytes(stage, n, p, 8) + flags:5.0f})")
+            print(f"{sent:5.0f} ({zero_cost.sent_nbytes(stage, n, p, 8) + flags:5.0f})")
 
 
 if __name__ == "__main__":

@@ -118,9 +118,12 @@ class WarmupDecay:
         check_schedule(warmup_steps, total_steps, decay, start, final)
         self.optimizer = optimizer
         self.settings = dict(
-            warmup_steps=warmup_steps, total_steps=total_steps, decay=decay, start=start,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            decay=decay,
+            start=start,
             final=final,
-        )  # fmt: skip
+        )
         self.peaks = [group["lr"] for group in optimizer.param_groups]
         self.step_count = 0
         self._apply()
