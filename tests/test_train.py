@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from minidist.gpt import model as gpt
 from minidist.gpt.data import batch_at, dp_share, load_bytes
-from minidist.gpt.reference import differences, local_parameters, train_whole, whole_parameters
+from minidist.gpt.gather import local_parameters, whole_parameters
+from minidist.gpt.reference import differences, train_whole
 from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes, train, train_step
 from minidist.launch import launch
 from minidist.testing import check_all, in_subworlds, run_ranks, run_threads
@@ -102,7 +103,7 @@ def test_weight_decay_falls_on_the_weight_matrices_only():
     """GPT practice: decay the linear layers' weight matrices; not biases, LayerNorms, or the
     token and position embeddings. The same rule splits the whole model and its tp slices
     alike (else test_train_threads, weight_decay 0.1 by default, would fail)."""
-    from minidist.gpt.train import decay_groups
+    from minidist.gpt.replicas import decay_groups
 
     model = torch.nn.Sequential(*gpt.whole_layers(TINY, torch.float64))
     names = {id(q): n for n, q in model.named_parameters()}

@@ -40,7 +40,7 @@ from minidist.accumulation import train_step
 from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer
 from minidist.checkpointing import CheckpointedSequential, SavedTensorMeter, predicted_peak
 from minidist.data_parallel import DataParallelBucketed, shard
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.lr import WarmupDecay, scaled_lr
 
 D_IN, CLASSES, WIDTH, DEPTH = 32, 8, 128, 4  # the student: 4 hidden layers of 128
@@ -290,13 +290,7 @@ def main(args: argparse.Namespace) -> int:
     keys = vars(own.parse_args([])).keys() - {"n", "json"}
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in sorted(keys)]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n, timeout=1800)
-    else:
-        outcome = launch(["-m", "minidist.bench.batch", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench batch: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench batch", timeout=1800)
 
 
 def rank_main(argv: list[str]) -> None:

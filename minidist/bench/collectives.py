@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import time
 import torch
 
 from minidist import collectives
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 
 ALGORITHMS = ("library", "naive", "recursive_doubling", "ring", "auto")
 _SHORT = {"recursive_doubling": "rec-dbl"}
@@ -163,13 +162,7 @@ def main(args: argparse.Namespace) -> int:
     argv = [args.what, "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes)]
     argv += ["--iters", str(args.iters)] if args.iters else []
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
-    else:
-        outcome = launch(["-m", "minidist.bench.collectives", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench")
 
 
 def rank_main(argv: list[str]) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from torch import nn
 
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel import DataParallelBucketed, DataParallelNaive
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 
 SWEEP = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -149,9 +148,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        return run_threads([os.path.abspath(__file__), *argv], args.n).returncode
-    return launch(["-m", "minidist.bench.dp", *argv], args.n, args.backend).returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench dp")
 
 
 _FORWARDED = ("backend", "layers", "width", "batch", "bucket", "steps")

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from minidist.comm.wrappers import Tracer
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.partition import param_counts, partition, stage_chunks
 from minidist.pipeline import PipelineStage, measured_timeline, split_microbatches
 from minidist.schedules import (
@@ -152,13 +152,7 @@ def main(args: argparse.Namespace) -> int:
     argv = ["--microbatches", args.microbatches, "--width", str(args.width), "--rows"]
     argv += [str(args.rows), "--layers-per-stage", str(args.layers_per_stage)]
     argv += ["--steps", str(args.steps)] + (["--json"] if args.json else [])
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
-    else:
-        outcome = launch(["-m", "minidist.bench.pipeline", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench pipeline: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench pipeline")
 
 
 def rank_main(argv: list[str]) -> None:

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.sgd import STRAGGLERS, VARIANTS, Config, least_squares, train
 
 
@@ -224,9 +224,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"-n {args.n}: the benchmark needs a server and at least one worker")
     argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        return run_threads([os.path.abspath(__file__), *argv], args.n).returncode
-    return launch(["-m", "minidist.bench.sgd", *argv], args.n, args.backend).returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench sgd")
 
 
 def rank_main(argv: list[str]) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ import time
 import torch
 
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.tensor_parallel_blocks import (
     ParallelTransformerBlock,
     activation_elements,
@@ -169,13 +168,7 @@ def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module on args.backend and wait for them."""
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
-    else:
-        outcome = launch(["-m", "minidist.bench.tp", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench tp: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench tp")
 
 
 def rank_main(argv: list[str]) -> None:

@@ -46,7 +46,7 @@ from minidist import zero, zero3
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel import DataParallelBucketed
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 
 STAGES = (0, 1, 2, 3)
 MB = 1e6
@@ -232,14 +232,12 @@ def main(args: argparse.Namespace) -> int:
             argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
             argv += [f"--algorithm={args.algorithm}", f"--out={out}"]
             argv += ["--precision", *args.precision]
-            if args.backend == "threads":
-                outcome = run_threads([os.path.abspath(__file__), *argv], n)
-            else:  # large tensors straight from mmap, and back on free: RSS follows what is live
-                env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
-                outcome = launch(["-m", "minidist.bench.zero", *argv], n, args.backend, env=env)
-            if outcome.returncode != 0:
-                print(f"minidist bench zero: {outcome.report()}", file=sys.stderr, end="")
-                return outcome.returncode
+            # processes: large tensors straight from mmap, and back on free: RSS follows what
+            # is live
+            env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
+            code = start_ranks(__name__, argv, n, args.backend, "minidist bench zero", env=env)
+            if code != 0:
+                return code
             with open(out) as f:
                 results.append(json.load(f))
     if args.json:

@@ -34,10 +34,11 @@ import torch
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.gpt import resume
+from minidist.gpt.gather import whole_parameters
 from minidist.gpt.model import GPTConfig
-from minidist.gpt.reference import differences, train_whole, whole_parameters
+from minidist.gpt.reference import differences, train_whole
 from minidist.gpt.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
-from minidist.launch import BACKENDS, init, launch, run_threads
+from minidist.launch import BACKENDS, init, start_ranks
 from minidist.pipeline import measured_timeline
 from minidist.schedule_cli import draw_timeline
 from minidist.schedules import NAMES, bubble_formula, bubble_fraction
@@ -135,15 +136,8 @@ def main(args: argparse.Namespace) -> int:
     argv = to_argv(args)
     n = config.layout.world_size
     linger = math.inf if args.check else None  # --check: rank 0 trains alone after the rest
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], n, linger=linger)
-    else:
-        env = {"OMP_NUM_THREADS": "1"}  # one core per rank: ranks share this machine
-        argv = ["-m", "minidist.gpt.cli", *argv]
-        outcome = launch(argv, n, args.backend, env=env, linger=linger)
-    if outcome.returncode != 0:
-        print(f"minidist train: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    env = {"OMP_NUM_THREADS": "1"}  # processes: one core per rank, ranks share this machine
+    return start_ranks(__name__, argv, n, args.backend, "minidist train", env=env, linger=linger)
 
 
 def rank_main(argv: list[str]) -> None:
@@ -225,7 +219,7 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
     world = job.mesh.world
     sent = [sum(n for op, n in counters[a].nbytes.items() if op != "recv") / steps for a in AXES]
     formula = [-1 if v is None else v for v in predicted_nbytes(job).values()]
-    held = _held_nbytes(job)
+    held = job.replicas.held_nbytes()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
     mine = [held["params"], held["optimizer"], job.stage.memory.peak, rss, *sent, *formula]
     every = torch.empty(world.world_size, len(mine), dtype=torch.float64, device=job.device)
@@ -235,21 +229,6 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
     per_rank = [dict(zip(COLUMNS, r, strict=True)) for r in every.tolist()]
     events = _gather_events(world, tracer.events, job.device)
     return {"per_rank": per_rank, "timeline": rows, "events": events}
-
-
-def _held_nbytes(job: Job) -> dict[str, int]:
-    """Bytes of parameters and of optimizer state (with fp32 masters) this rank holds now."""
-    from minidist.zero3 import memory_nbytes, storage_nbytes
-
-    r = job.replicas
-    if r.zero is not None:
-        return memory_nbytes(r.zero)
-    inner = r.mp.optimizer if r.mp is not None else r.optimizer
-    state = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
-    state += list(r.mp.master) if r.mp is not None else []
-    params = list(r.module.parameters())
-    return {"params": storage_nbytes(params),
-            "optimizer": storage_nbytes([t for t in state if t.dim() > 0])}  # fmt: skip
 
 
 def _gather_events(world, events: list[dict], device) -> dict[int, list[dict]] | None:

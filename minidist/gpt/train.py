@@ -2,7 +2,7 @@
 (plus ZeRO, mixed precision and checkpointing) composed in one place, in a fixed order.
 
 Equals: train_whole, the same model, batches, AdamW (weight decay on the weight matrices only:
-decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
+replicas.decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
 batch. float64: losses and final parameters to 1e-12 relative (tests/test_train.py); float32
 about 1e-5 (sums in another order); bf16/fp16 with the reference run in the same precision,
 within that format's rounding.
@@ -20,7 +20,7 @@ by dp; see zero.py), plus the activations the schedule keeps (pipeline.py).
 Order of composition (each step wraps what the one before made):
   1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
   2. model cut    this stage's layers, each sliced over tp_comm     model.py
-  3. replicas     precision, then data parallel or ZeRO over dp     amp.py, data_parallel, zero
+  3. replicas     precision, then data parallel or ZeRO over dp     replicas.py
   4. pipeline     the stage's chunks run by the schedule over pp    pipeline.py, schedules.py
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
 chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
@@ -43,17 +43,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from minidist import zero as zero_
-from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer, Precision
-from minidist.data_parallel import DataParallelBucketed
+from minidist.amp import PRECISIONS, Precision
 from minidist.gpt import model as gpt
 from minidist.gpt.data import SONNETS, batch_at, dp_share, load_bytes
+from minidist.gpt.replicas import Replicas, make_replicas
 from minidist.lr import WarmupDecay
 from minidist.mesh import Layout, Mesh, make_mesh
 from minidist.pipeline import PipelineStage, split_microbatches
 from minidist.schedules import NAMES, build_schedules
 from minidist.tensor_parallel import vocab_parallel_cross_entropy
-from minidist.tensor_parallel_blocks import VocabParallelEmbedding
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -147,107 +145,6 @@ class TrainConfig:
         return self
 
 
-def make_optimizer(config: TrainConfig):
-    """AdamW on any tensors or groups: the optimizer of every variant (and of the reference);
-    weight_decay is the default, which decay_groups turns off where GPT practice does."""
-    return lambda params, **kw: torch.optim.AdamW(
-        params, lr=config.lr, weight_decay=config.weight_decay, **kw
-    )
-
-
-EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # lookup tables, whole or cut over tp
-
-
-def decay_groups(module: nn.Module, tensors: list | None = None) -> list[dict]:
-    """AdamW's two groups over module's trainable parameters (or over tensors standing for
-    them, in the same order: amp's masters): the weight matrices of linear layers decay (the
-    optimizer's weight_decay); biases, LayerNorm weights and the token and position embeddings
-    do not (weight_decay 0), as GPT-2/3 and minGPT train (a table row is decayed every step
-    but gets a gradient only when its token appears). The rule reads each parameter's module
-    and dimensions, so the whole model and its tp slices split alike."""
-    params = [q for q in module.parameters() if q.requires_grad]
-    no_decay = {id(q) for m in module.modules() for q in m.parameters(recurse=False)
-                if q.dim() < 2 or isinstance(m, EMBEDDINGS)}  # fmt: skip
-    tensors = params if tensors is None else list(tensors)
-    decay = [id(q) not in no_decay for q in params]
-    return [
-        {"params": [t for t, d in zip(tensors, decay, strict=True) if d]},
-        {"params": [t for t, d in zip(tensors, decay, strict=True) if not d], "weight_decay": 0.0},
-    ]
-
-
-class Replicas:
-    """Step 3: the stage's chunks as one module, kept equal across dp by data parallelism
-    (gradients all-reduced after the pipeline step) or ZeRO; with mixed precision, fp32
-    masters (MixedPrecisionOptimizer, or ZeRO's master shards) and a loss scale.
-
-    step() -> bool (False: skipped, inf/nan somewhere in the world); scale: the loss scale;
-    on_backward: for PipelineStage; gathered(): full parameters inside (ZeRO-3)."""
-
-    def __init__(self, chunks: list[nn.Module], mesh: Mesh, config: TrainConfig):
-        self.module, self.config = nn.ModuleList(chunks), config
-        precision, opt = config.precision, make_optimizer(config)
-        groups = lambda tensors: opt(decay_groups(self.module, tensors))  # noqa: E731
-        scaler = LossScaler(2.0**16) if config.amp == "fp16" else LossScaler(1.0, dynamic=False)
-        self.mp = self.dp = self.zero = None
-        if config.zero:
-            self.zero = zero_.wrap(
-                self.module,
-                mesh.dp_comm,
-                opt,
-                config.zero,
-                param_groups=decay_groups(self.module),
-                precision=precision,
-                scaler=scaler,
-                overflow_comm=mesh.world,
-            )
-            self.optimizer, self.scaler = self.zero.optimizer, self.zero.scaler  # fmt: skip
-        elif config.amp != "fp32":
-            self.mp = MixedPrecisionOptimizer(
-                self.module, groups, precision, scaler, dp_comm=mesh.dp_comm,
-                overflow_comm=mesh.world,
-            )  # fmt: skip
-            self.optimizer, self.scaler = self.mp, scaler  # fmt: skip
-        else:
-            self.dp = DataParallelBucketed(self.module, mesh.dp_comm)
-            self.optimizer, self.scaler = groups(None), scaler
-        self.skipped: list[int] = []
-
-    @property
-    def scale(self) -> float:
-        return self.scaler.scale
-
-    def accumulating(self):
-        """The pipeline step runs in here: data parallelism waits for all microbatches."""
-        return self.dp.no_sync() if self.dp is not None else contextlib.nullcontext()
-
-    def on_backward(self, op) -> None:
-        if self.zero is not None and self.config.zero >= 2:
-            self.zero.finish_gradient_sync()  # this microbatch's gradients, reduce-scattered
-        elif self.mp is not None:
-            self.mp.collect()  # into the float32 buffer: accumulate in float32, not bf16
-
-    def step(self) -> bool:
-        if self.zero is not None:
-            stepped = self.zero.step()
-        elif self.mp is not None:
-            stepped = self.mp.step()
-        else:
-            self.dp.finish_gradient_sync()
-            self.optimizer.step()
-            stepped = True
-        self.zero_grad()
-        return stepped
-
-    def zero_grad(self) -> None:
-        owner = self.zero if self.zero is not None else self.mp
-        (owner if owner is not None else self.optimizer).zero_grad()
-        self.module.zero_grad(set_to_none=True)
-
-    def gathered(self):
-        return self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
-
-
 @dataclass
 class Job:
     """One rank's composed training: its mesh, chunks (and their layer numbers), replicas,
@@ -281,7 +178,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
     chunks = gpt.stage_chunks(config.model, mesh.tp_comm, layer_ids, DTYPES[config.dtype],
                               recompute=config.checkpointing, device=device)  # fmt: skip
-    replicas = Replicas(chunks, mesh, config)  # 3
+    replicas = make_replicas(chunks, mesh, config)  # 3
     tp_comm = mesh.tp_comm
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -368,7 +265,7 @@ def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> flo
 
 def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):
     """Build the job and train config.steps steps: (job, {"losses", "skipped", "seconds"}),
-    the same losses on every rank. reference.whole_parameters(job) puts the model together."""
+    the same losses on every rank. gather.whole_parameters(job) puts the model together."""
     job = build_job(comm, config, data, device=device)
     losses, skipped, start = [], [], time.perf_counter()
     for step in range(config.steps):
