@@ -89,7 +89,10 @@ def _allreduce_row(comm, nbytes: int, iters: int) -> dict:
         "ring": lambda: collectives.ring_all_reduce(x, comm, "sum"),
         "auto": lambda: collectives.all_reduce(x, comm, "sum", "auto"),
     }
-    fill = lambda: x.fill_(1.0 + comm.rank)  # noqa: E731
+
+    def fill() -> None:
+        x.fill_(1.0 + comm.rank)  # fresh data each iteration
+
     row: dict = {"nbytes": nbytes}
     for name, call in calls.items():
         seconds = time_it(comm, call, fill, iters, warmup=max(2, iters // 10))

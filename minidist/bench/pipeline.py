@@ -100,13 +100,19 @@ def measure(comm, name: str, m: int, args: argparse.Namespace) -> dict:
     every = comm.all_gather(torch.empty(p, 2, dtype=peak.dtype), peak)  # (p, 2)
     counts = [peak_activations(ops, until_weight=split) for ops in programs]
     return {
-        "schedule": name, "m": m, "v": v, "step_ms": 1e3 * statistics.median(seconds),
-        "t_f_ms": 1e3 * t["F"], "t_b_ms": 1e3 * t["B"], "t_w_ms": 1e3 * t["W"],
-        "bubble": statistics.median(bubbles), "bubble_simulated": bubble_fraction(timeline),
+        "schedule": name,
+        "m": m,
+        "v": v,
+        "step_ms": 1e3 * statistics.median(seconds),
+        "t_f_ms": 1e3 * t["F"],
+        "t_b_ms": 1e3 * t["B"],
+        "t_w_ms": 1e3 * t["W"],
+        "bubble": statistics.median(bubbles),
+        "bubble_simulated": bubble_fraction(timeline),
         "bubble_formula": bubble_formula(name, p, m, v),
         "peak_bytes": every[:, 0].tolist(),
         "peak_bytes_predicted": [n * b for n, b in zip(counts, every[:, 1].tolist(), strict=True)],
-    }  # fmt: skip
+    }
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -31,8 +31,10 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
     d, _, _ = mesh.coords
     with job.replicas.gathered():
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
-        mine = [_whole_flat(config.model, i, x, mesh.tp_comm)
-                for i, x in zip(sum(job.layer_ids, []), layers, strict=True)]  # fmt: skip
+        mine = [
+            _whole_flat(config.model, i, x, mesh.tp_comm)
+            for i, x in zip(sum(job.layer_ids, []), layers, strict=True)
+        ]
     if d != 0:
         return None  # every replica holds the same model
     ids = sum(job.layer_ids, [])
@@ -105,8 +107,9 @@ def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm) -> torch.Te
     state of the same shapes). An all_gather of the values with their element numbers."""
     where, n = element_numbers(model, i, tp_comm)
     values = torch.cat([t.detach().double().reshape(-1) for t in tensors])
-    both = torch.empty(tp_comm.world_size, 2, len(values), dtype=torch.float64,
-                       device=values.device)  # fmt: skip
+    both = torch.empty(
+        tp_comm.world_size, 2, len(values), dtype=torch.float64, device=values.device
+    )
     tp_comm.all_gather(both, torch.stack([where.to(values.device).double(), values]))
     both, flat = both.cpu(), torch.empty(n, dtype=torch.float64)
     flat[both[:, 0].reshape(-1).long()] = both[:, 1].reshape(-1)  # replicated ones: equal

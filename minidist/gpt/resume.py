@@ -92,10 +92,13 @@ def save(job: Job, path: str) -> None:
     if mine is None:
         return
     payload = {
-        "config": asdict(config), "step": job.step, "adam_step": adam_step,
-        "scaler": scaler, "schedule": job.schedule.state_dict(),
+        "config": asdict(config),
+        "step": job.step,
+        "adam_step": adam_step,
+        "scaler": scaler,
+        "schedule": job.schedule.state_dict(),
         "layers": {i: dict(zip(KEYS, mine[i], strict=True)) for i in sorted(mine)},
-    }  # fmt: skip
+    }
     _write_atomically(path, payload)
 
 
@@ -147,8 +150,10 @@ def load(path: str) -> dict:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # a crafted or foreign pickle behind a valid header
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{path}: not a minidist checkpoint: its contents cannot be "
-                              f"loaded safely ({type(e).__name__}: {first})") from e  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a minidist checkpoint: its contents cannot be "
+            f"loaded safely ({type(e).__name__}: {first})"
+        ) from e
 
 
 def load_latest(folder: str) -> tuple[str, dict]:
@@ -178,10 +183,14 @@ def differences(saved: dict, now: dict) -> list[str]:
     """The fields (as asdict(TrainConfig)) in which a checkpoint's run and this one differ
     where they must not: the model's shape, and SAME_RUN. The layout may change (that is
     re-sharding)."""
-    model = [f"model {k}={v!r} there, {now['model'].get(k)!r} here"
-             for k, v in saved["model"].items() if now["model"].get(k) != v]  # fmt: skip
-    return model + [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN
-                    if saved.get(k) != now[k]]  # fmt: skip
+    model = [
+        f"model {k}={v!r} there, {now['model'].get(k)!r} here"
+        for k, v in saved["model"].items()
+        if now["model"].get(k) != v
+    ]
+    return model + [
+        f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN if saved.get(k) != now[k]
+    ]
 
 
 def problems(path: str, config) -> list[str]:

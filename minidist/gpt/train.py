@@ -34,7 +34,6 @@ Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --ch
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -89,53 +88,76 @@ class TrainConfig:
         compute = master if self.amp == "fp32" else PRECISIONS[self.amp].compute
         return Precision(compute, master, master)
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """The numbers that count something: each at least 1."""
+        m = self.model
+        return {
+            "dp": self.dp,
+            "pp": self.pp,
+            "tp": self.tp,
+            "microbatches": self.microbatches,
+            "chunks": self.chunks,
+            "steps": self.steps,
+            "batch": self.batch,
+            "seq_len": m.seq_len,
+            "d_model": m.d_model,
+            "n_heads": m.n_heads,
+            "d_ff": m.d_ff,
+            "n_layers": m.n_layers,
+        }
+
     def problems(self, world_size: int | None = None) -> list[str]:
         """Every reason this run cannot start, with the numbers; [] if it can."""
-        m = self.model
-        # fmt: off
-        counts = dict(dp=self.dp, pp=self.pp, tp=self.tp, microbatches=self.microbatches,
-                      chunks=self.chunks, steps=self.steps, batch=self.batch, seq_len=m.seq_len,
-                      d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff, n_layers=m.n_layers)
-        # fmt: on
-        found = [f"{k}={v} must be at least 1" for k, v in counts.items() if v < 1]
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            found.append(f"lr={self.lr} must be a finite number > 0")
-        if self.warmup < 0:
-            found.append(f"warmup={self.warmup} must be at least 0")
+        found = []
+        for name, value in self.counts.items():
+            _require(found, value >= 1, f"{name}={value} must be at least 1")
+        finite = math.isfinite(self.lr) and self.lr > 0
+        _require(found, finite, f"lr={self.lr} must be a finite number > 0")
+        _require(found, self.warmup >= 0, f"warmup={self.warmup} must be at least 0")
         if found:
             return found  # the checks below divide by these numbers
-        if m.seq_len + 1 > SONNETS.stat().st_size:
-            found.append(f"seq_len={m.seq_len}: the text has {SONNETS.stat().st_size} bytes, "
-                         f"a sequence needs seq_len + 1 of them")  # fmt: skip
-        if self.steps < self.warmup:
-            found.append(f"steps={self.steps} is below the warm-up of {self.warmup} steps: "
-                         f"raise --steps or lower --warmup")  # fmt: skip
-        try:
-            self.layout.check(self.layout.world_size if world_size is None else world_size)
-        except ValueError as e:
-            found.append(str(e))
-        found += self.model.problems(self.tp)
-        for name, value, allowed in (("zero", self.zero, (0, 1, 2, 3)), ("amp", self.amp,
-                                     tuple(PRECISIONS)), ("dtype", self.dtype, tuple(DTYPES)),
-                                     ("schedule", self.schedule, NAMES)):  # fmt: skip
-            if value not in allowed:
-                found.append(f"{name}={value!r} is not one of {allowed}")
-        if self.batch % self.dp or (self.batch // self.dp) % self.microbatches:
-            found.append(f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
-                         f"{self.microbatches}")  # fmt: skip
-        if self.weight_decay < 0:
-            found.append(f"weight_decay={self.weight_decay} is negative")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            found.append(f"chunks={self.chunks} needs schedule='interleaved'")
-        if self.pp * self.chunks > self.model.n_layers + 2:
-            found.append(f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model "
-                         f"has only n_layers={self.model.n_layers} + 2 layers")  # fmt: skip
-        with contextlib.suppress(KeyError):  # an unknown schedule: reported above
-            try:
-                build_schedules(self.schedule, self.pp, self.microbatches, self.chunks)
-            except ValueError as e:
-                found.append(str(e))
+        return self._layout_problems(self.layout.world_size if world_size is None else world_size)
+
+    def _layout_problems(self, world_size: int) -> list[str]:
+        """problems() once every count is at least 1: how the numbers fit together."""
+        m, found, text = self.model, [], SONNETS.stat().st_size
+        why = f"seq_len={m.seq_len}: the text has {text} bytes, a sequence needs seq_len + 1"
+        _require(found, m.seq_len + 1 <= text, why + " of them")
+        why = f"steps={self.steps} is below the warm-up of {self.warmup} steps"
+        _require(found, self.steps >= self.warmup, why + ": raise --steps or lower --warmup")
+        found += _refused(self.layout.check, world_size)
+        found += m.problems(self.tp)
+        for name, value, allowed in self.choices:
+            _require(found, value in allowed, f"{name}={value!r} is not one of {allowed}")
+        why = f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
+        _require(
+            found, self.batch % (self.dp * self.microbatches) == 0, why + f"{self.microbatches}"
+        )
+        _require(found, self.weight_decay >= 0, f"weight_decay={self.weight_decay} is negative")
+        why = f"chunks={self.chunks} needs schedule='interleaved'"
+        _require(found, self.chunks == 1 or self.schedule == "interleaved", why)
+        why = f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model has only "
+        _require(
+            found,
+            self.pp * self.chunks <= m.n_layers + 2,
+            why + f"n_layers={m.n_layers} + 2 layers",
+        )
+        if self.schedule in NAMES:  # an unknown one is reported above
+            found += _refused(
+                build_schedules, self.schedule, self.pp, self.microbatches, self.chunks
+            )
         return found
+
+    @property
+    def choices(self) -> list[tuple[str, object, tuple]]:
+        """(name, value, the values allowed) of each field that names a choice."""
+        return [
+            ("zero", self.zero, (0, 1, 2, 3)),
+            ("amp", self.amp, tuple(PRECISIONS)),
+            ("dtype", self.dtype, tuple(DTYPES)),
+            ("schedule", self.schedule, NAMES),
+        ]
 
     def check(self, world_size: int | None = None) -> TrainConfig:
         """self, or a ValueError listing every problem (before any process starts work)."""
@@ -143,6 +165,21 @@ class TrainConfig:
         if found:
             raise ValueError("this run cannot start:\n  " + "\n  ".join(found))
         return self
+
+
+def _require(found: list[str], ok: bool, why: str) -> None:
+    """found += [why] unless ok."""
+    if not ok:
+        found.append(why)
+
+
+def _refused(check: Callable, *args) -> list[str]:
+    """[] if check(*args) passes, else [the message of the ValueError it raises]."""
+    try:
+        check(*args)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 @dataclass
@@ -176,8 +213,14 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         mesh = Mesh(mesh.layout, mesh.world, subs["dp"], subs["pp"], subs["tp"])
     _, s, _ = mesh.coords
     layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
-    chunks = gpt.stage_chunks(config.model, mesh.tp_comm, layer_ids, DTYPES[config.dtype],
-                              recompute=config.checkpointing, device=device)  # fmt: skip
+    chunks = gpt.stage_chunks(
+        config.model,
+        mesh.tp_comm,
+        layer_ids,
+        DTYPES[config.dtype],
+        recompute=config.checkpointing,
+        device=device,
+    )
     replicas = make_replicas(chunks, mesh, config)  # 3
     tp_comm = mesh.tp_comm
 
@@ -186,8 +229,9 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         logits = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
         return vocab_parallel_cross_entropy(logits, targets, tp_comm).mean() * replicas.scale
 
-    stage = PipelineStage(chunks, mesh.pp_comm, loss_fn, tracer=tracer,
-                          on_backward=replicas.on_backward)  # 4  # fmt: skip
+    stage = PipelineStage(
+        chunks, mesh.pp_comm, loss_fn, tracer=tracer, on_backward=replicas.on_backward
+    )  # 4
     program = build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s]
     schedule = WarmupDecay(replicas.optimizer, config.warmup, config.steps)
     data = load_bytes() if data is None else data
@@ -228,27 +272,64 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     in the reduce dtype and no flags); ZeRO-1 reduce-scatters the padded Psi_s, all-gathers
     the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss."""
     c, (_, s, _) = job.config, job.mesh.coords
-    e = torch.empty(0, dtype=c.precision.compute).element_size()
-    x = torch.empty(0, dtype=torch.promote_types(c.precision.compute, torch.float32))
-    n = c.batch // (c.dp * c.microbatches) * c.model.seq_len
-    a, ids, m = n * c.model.d_model * e, sum(job.layer_ids, []), c.microbatches
+    m = c.microbatches
+    e = c.precision.compute.itemsize  # bytes of an activation element
+    x = torch.promote_types(c.precision.compute, torch.float32).itemsize  # of a loss element
+    f = c.precision.master.itemsize  # of a gradient element (the reduce dtype)
+    n = c.batch // (c.dp * m) * c.model.seq_len  # tokens in a microbatch
+    a = n * c.model.d_model * e  # bytes of one activation
+    params = [q for q in job.replicas.module.parameters() if q.requires_grad]
+    return {
+        "dp": _dp_nbytes(c, params, e, f),
+        "pp": _pp_nbytes(c, s, m * a),
+        "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
+    }
+
+
+def _tp_nbytes(c: TrainConfig, ids: list[int], a: int, loss_row: int) -> int:
+    """tp bytes per microbatch of the layers ids (0: embedding, L + 1: head), a an activation,
+    loss_row the bytes of one loss element per token (x n)."""
+    # lab 12.5 begin: 4 a per block (6 a recomputed), a for the embedding, a + 3 n x for the head
     blocks = sum(1 for i in ids if 1 <= i <= c.model.n_layers)
-    tp = blocks * (6 if c.checkpointing else 4) * a + (0 in ids) * a
-    tp += (c.model.n_layers + 1 in ids) * (a + 3 * n * x.element_size())
-    n_virtual, pp = c.pp * c.chunks, 8
+    per_block = 6 * a if c.checkpointing else 4 * a  # recomputed: the forward's 2 run again
+    nbytes = blocks * per_block
+    if 0 in ids:
+        nbytes += a  # the embedding's g
+    if c.model.n_layers + 1 in ids:
+        nbytes += a + 3 * loss_row  # f's backward; the loss's max, target logit, sum of exps
+    # lab 12.5 end
+    return nbytes
+
+
+def _pp_nbytes(c: TrainConfig, s: int, ma: int) -> int:
+    """pp bytes per step of stage s, ma = m activations: for each of its chunks, m activations
+    on (and a 64-byte header) unless the chunk is the last virtual stage, m gradients back
+    unless it is the first; 8 for the loss's broadcast."""
+    # lab 12.6 begin: walk this stage's chunks (virtual stage chunk pp + s): sends each way
+    nbytes = 8
+    n_virtual = c.pp * c.chunks
     for chunk in range(c.chunks):
         u = chunk * c.pp + s  # this chunk's virtual stage
-        pp += (u < n_virtual - 1) * (m * a + 64) + (u > 0) * m * a
-    params = [q for q in job.replicas.module.parameters() if q.requires_grad]
-    numel, f = sum(q.numel() for q in params), torch.empty(0, dtype=c.precision.master)
-    f = f.element_size()
-    dp = None
+        if u < n_virtual - 1:
+            nbytes += ma + 64  # activations on, one header per chunk and step
+        if u > 0:
+            nbytes += ma  # gradients back
+    # lab 12.6 end
+    return nbytes
+
+
+def _dp_nbytes(c: TrainConfig, params: list, e: int, f: int) -> int | None:
+    """dp bytes per step: None where no formula is written (ZeRO-2/3)."""
+    numel = sum(q.numel() for q in params)
+    flags = len(params) * f  # the "used" flags, one per parameter tensor
+    if c.zero == 0 and c.amp != "fp32":
+        return 8 + numel * f  # mixed precision: the gradients only
     if c.zero == 0:
-        dp = 8 + (numel * f if c.amp != "fp32" else (numel + len(params)) * f)
-    elif c.zero == 1:
-        shard = -(-numel // c.dp)
-        dp = 8 + shard * c.dp * f + shard * e + len(params) * f
-    return {"dp": dp, "pp": pp, "tp": tp * m}
+        return 8 + numel * f + flags
+    if c.zero == 1:
+        shard = -(-numel // c.dp)  # ceil: the padded shard
+        return 8 + shard * c.dp * f + shard * e + flags  # reduce-scatter, all-gather, flags
+    return None
 
 
 def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> float:
