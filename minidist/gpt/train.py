@@ -211,6 +211,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     if observe is not None:
         subs = {axis: observe(axis, getattr(mesh, f"{axis}_comm")) for axis in ("dp", "pp", "tp")}
         mesh = Mesh(mesh.layout, mesh.world, subs["dp"], subs["pp"], subs["tp"])
+    # lab 12.4 begin: steps 2-3: this stage's layer ids and chunks (cut over tp), the replicas
     _, s, _ = mesh.coords
     layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
     chunks = gpt.stage_chunks(
@@ -222,6 +223,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         device=device,
     )
     replicas = make_replicas(chunks, mesh, config)  # 3
+    # lab 12.4 end
     tp_comm = mesh.tp_comm
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
