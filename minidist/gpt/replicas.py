@@ -20,6 +20,8 @@ The interface (Replicas):
                   elsewhere; collective over dp for ZeRO, which consolidates its shards)
   load(...)       the same put back, every rank its own slices (collective over dp for ZeRO)
   held_nbytes()   bytes of parameters and of optimizer state (with masters) held now
+Equals: the technique each wraps, unchanged: the composed run equals train_whole
+(tests/test_train.py), and state() then load() resumes it exactly (tests/test_resume.py).
 Lesson: lessons/12_3d_parallel/ (the composition, step 3).
 """
 
