@@ -26,6 +26,7 @@ code is the failing rank's; a hung rank is named with its stack (the watchdog, w
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import shutil
@@ -248,6 +249,23 @@ def launch(
         shutil.rmtree(failures, ignore_errors=True)
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def start_ranks(module: str, argv: list[str], n: int, backend: str, command: str, **how) -> int:
+    """The parent of a command (`minidist train`, `minidist bench ...`): run n ranks of
+    `python -m module argv...` (threads: the module's file as n threads) and wait; 0, or the
+    failing rank's exit code after printing `command: <the watchdog's report>` to stderr.
+    how: env and linger for launch; timeout (the threads world's) and linger for run_threads."""
+    if backend == "threads":
+        script = importlib.util.find_spec(module).origin
+        keep = {k: v for k, v in how.items() if k in ("timeout", "linger")}
+        outcome = run_threads([script, *argv], n, **keep)
+    else:
+        keep = {k: v for k, v in how.items() if k in ("env", "linger")}
+        outcome = launch(["-m", module, *argv], n, backend, **keep)
+    if outcome.returncode != 0:
+        print(f"{command}: {outcome.report()}", file=sys.stderr, end="")
+    return outcome.returncode
 
 
 def _on_sigterm():

@@ -132,8 +132,12 @@ def test_grading_refuses_what_changed_outside_the_regions_and_borrowed_code(tmp_
 
 @pytest.mark.pure
 def test_generate_keeps_a_lab_with_work_in_it_unless_forced(tmp_path, monkeypatch):
-    monkeypatch.setattr(labs, "lab_path", lambda lesson: str(tmp_path / lesson / "lab.py"))
-    assert len(labs.generate()) == len(labs.LABS)  # none there yet: all written
+    def lab_path(lesson: str, part: int = 0) -> str:
+        return str(tmp_path / lesson / labs.parts(lesson)[part]["lab"])
+
+    monkeypatch.setattr(labs, "lab_path", lab_path)
+    files = sum(len(labs.parts(lesson)) for lesson in labs.LABS)
+    assert len(labs.generate()) == files  # none there yet: all written
     work = region_body(labs.fresh("11"), "11.1", "return 0.0")
     (tmp_path / "11" / "lab.py").write_text(work)
     with pytest.raises(labs.LabError, match="11/lab.py hold work: .* --force"):
@@ -144,14 +148,41 @@ def test_generate_keeps_a_lab_with_work_in_it_unless_forced(tmp_path, monkeypatc
 
 
 @pytest.mark.pure
+def test_a_lesson_may_cut_two_modules_into_two_lab_files(tmp_path):
+    """Lesson 12: mesh.py into lab.py, the main job's train.py into lab_train.py; each file
+    cuts only its own module's regions, has its own impl variable, and is graded and refused
+    on its own."""
+    mesh, train = labs.parts("12")
+    assert (mesh["lab"], train["lab"]) == ("lab.py", "lab_train.py")
+    assert labs.lab_path("12", 1).endswith("lessons/12_3d_parallel/lab_train.py")
+    assert labs.env_var("12", 1) == "MINIDIST_IMPL_GPT_TRAIN" != labs.env_var("12")
+    first, second = labs.fresh("12"), labs.fresh("12", part=1)
+    assert labs.unfilled_regions(first, "12") == ["12.1", "12.2", "12.3"]
+    assert labs.unfilled_regions(second, "12") == ["12.4", "12.5", "12.6"]
+    # a cut names regions of the whole lesson: each file cuts those it has
+    assert labs.unfilled_regions(labs.fresh("12", {"12.1", "12.5"}, part=1), "12") == ["12.5"]
+    assert not labs_export.handed_out("lessons/12_3d_parallel/lab_train.py")
+    path = tmp_path / "lab_train.py"
+    path.write_text(labs.fresh("12", cut=set(), part=1))
+    assert labs_grade.refusal("12", str(path), 1) == ""
+    assert "changed outside" in labs_grade.refusal("12", str(path), 0)  # not mesh's lab
+    path.write_text(region_body(second, "12.5", "import minidist.gpt.train"))
+    assert "uses the reference minidist.gpt.train" in labs_grade.refusal("12", str(path), 1)
+    assert labs_grade.grade("12", [str(path)], [], {}) == 2  # one file for two parts
+
+
+@pytest.mark.pure
 @pytest.mark.parametrize("lesson", sorted(labs.LABS))
 def test_every_task_has_checks_that_its_grading_runs(lesson):
     tests = set()
     for arg in labs.LABS[lesson]["grade"] + labs_grade.hidden(lesson):
-        if arg.endswith(".py"):
-            tests |= set(re.findall(r"^def (test_\w+)", open(os.path.join(ROOT, arg)).read(), re.M))
+        file, _, test = arg.partition("::")  # a file, or one test of it
+        if file.endswith(".py"):
+            text = open(os.path.join(ROOT, file)).read()
+            tests |= {test} if test else set(re.findall(r"^def (test_\w+)", text, re.M))
     found = labs_grade.tasks(lesson)
-    regions = re.findall(rf"# lab ({lesson}\.\d+) begin", labs.fresh(lesson))
+    every = [labs.fresh(lesson, part=k) for k in range(len(labs.parts(lesson)))]
+    regions = re.findall(rf"# lab ({lesson}\.\d+) begin", "\n".join(every))
     assert sorted(found) == sorted(regions), f"lab {lesson}: README tasks {sorted(found)}"
     for task, checks in found.items():
         assert checks, f"task {task}: its README row names no test"
@@ -223,8 +254,10 @@ def test_the_students_copy_holds_no_reference_code(tmp_path):
     assert "minidist/collectives.py" in written and "tests/test_collectives.py" in written
     assert not [p for p in written if p.startswith(labs_export.PRIVATE) or p.endswith("lab.py")]
     assert labs_export.leaks(str(copy)) == []
-    for lesson, lab in labs.LABS.items():
-        assert (copy / lab["module"]).read_text() == labs.fresh(lesson)
+    for lesson in labs.LABS:
+        for part, lab in enumerate(labs.parts(lesson)):
+            assert (copy / lab["module"]).read_text() == labs.fresh(lesson, part=part)
+    assert not (copy / "lessons" / "12_3d_parallel" / "lab_train.py").exists()
     # the check sees a reference line wherever it is
     reference = open(os.path.join(ROOT, "minidist", "collectives.py")).read()
     (copy / "notes.txt").write_text(reference)
@@ -240,11 +273,14 @@ def test_the_students_copy_holds_no_reference_code(tmp_path):
 @pytest.mark.parametrize("lesson", sorted(labs.LABS))
 def test_lesson_folder_is_complete(lesson):
     folder = os.path.join(ROOT, labs.LABS[lesson]["folder"])
-    for name in ("README.md", "demo.py", "lab.py"):
+    labs_of = [lab["lab"] for lab in labs.parts(lesson)]  # lab.py, and lab_train.py in 12
+    for name in ("README.md", "demo.py", *labs_of):
         assert os.path.exists(os.path.join(folder, name)), f"{folder} has no {name}"
     readme = open(os.path.join(folder, "README.md")).read()
-    for region in re.findall(r'"Lab (\d\d\.\d+):', open(os.path.join(folder, "lab.py")).read()):
-        assert region in readme, f"{folder}/README.md says nothing of lab {region}"
+    for name in labs_of:
+        text = open(os.path.join(folder, name)).read()
+        for region in re.findall(r'"Lab (\d\d\.\d+):', text):
+            assert region in readme, f"{folder}/README.md says nothing of lab {region}"
 
 
 @pytest.mark.pure

@@ -14,7 +14,8 @@ import torch
 
 from minidist.gpt import model as gpt
 from minidist.gpt import resume
-from minidist.gpt.reference import local_parameters, train_whole, whole_parameters
+from minidist.gpt.gather import local_parameters, whole_parameters
+from minidist.gpt.reference import train_whole
 from minidist.gpt.train import TrainConfig, build_job, train_step
 from minidist.testing import check_all, run_ranks, run_threads
 

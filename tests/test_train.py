@@ -7,6 +7,8 @@ every rank's loss curve. Tolerances (float64): losses 1e-12 relative (sums in an
 parameters 1e-10 absolute (they are O(0.01..1)): AdamW divides by sqrt(v) + eps, so gradient
 elements near eps, sums with cancellation whose last bits depend on the order, move by up to
 about 1e-12 relative to the largest parameter after a few steps (measured 1e-12..2e-12).
+The composition (build_job, train_step, train, predicted_nbytes) comes from impl("gpt.train"),
+inside each rank function, so `make lab L=12` grades lesson 12's lab_train.py with these tests.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from hypothesis import strategies as st
 
 from minidist.gpt import model as gpt
 from minidist.gpt.data import batch_at, dp_share, load_bytes
-from minidist.gpt.reference import differences, local_parameters, train_whole, whole_parameters
-from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes, train, train_step
+from minidist.gpt.gather import local_parameters, whole_parameters
+from minidist.gpt.reference import differences, train_whole
+from minidist.gpt.train import TrainConfig
 from minidist.launch import launch
-from minidist.testing import check_all, in_subworlds, run_ranks, run_threads
+from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,7 +69,7 @@ def train_matches_one_process(comm, config: TrainConfig, device=None) -> None:
     losses and parameters with one process on the CPU."""
     data = load_bytes()
     reference = train_whole(config, data)  # every rank computes it: the recipe
-    job, result = train(comm, config, data, device=device)
+    job, result = impl("gpt.train").train(comm, config, data, device=device)
     context = f"rank {comm.rank} of {config}"
     losses = torch.tensor(result["losses"], dtype=torch.float64)
     expected = torch.tensor(reference["losses"], dtype=torch.float64)
@@ -102,7 +105,7 @@ def test_weight_decay_falls_on_the_weight_matrices_only():
     """GPT practice: decay the linear layers' weight matrices; not biases, LayerNorms, or the
     token and position embeddings. The same rule splits the whole model and its tp slices
     alike (else test_train_threads, weight_decay 0.1 by default, would fail)."""
-    from minidist.gpt.train import decay_groups
+    from minidist.gpt.replicas import decay_groups
 
     model = torch.nn.Sequential(*gpt.whole_layers(TINY, torch.float64))
     names = {id(q): n for n, q in model.named_parameters()}
@@ -180,7 +183,7 @@ def test_train_threads_at_demo_size(layout):
 
 
 def losses_of(comm, config: TrainConfig) -> list[float]:
-    return train(comm, config)[1]["losses"]
+    return impl("gpt.train").train(comm, config)[1]["losses"]
 
 
 @pytest.mark.threads
@@ -199,7 +202,7 @@ def test_bf16_tracks_one_process_in_the_same_precision(zero):
 
 
 def result_of(comm, config: TrainConfig) -> dict:
-    job, result = train(comm, config)
+    job, result = impl("gpt.train").train(comm, config)
     return result | {"parameters": whole_parameters(job)}
 
 
@@ -222,14 +225,15 @@ def counted_bytes(comm, config: TrainConfig) -> tuple[dict, dict]:
         counters[axis] = Counter()
         return ObservedComm(sub, counters[axis])
 
-    job = build_job(comm, config, observe=observe)
+    composed = impl("gpt.train")  # the main job, or lesson 12's lab_train.py
+    job = composed.build_job(comm, config, observe=observe)
     for counter in counters.values():
         counter.reset()
     for _ in range(config.steps):
-        train_step(job)
+        composed.train_step(job)
     sent = {a: sum(n for op, n in c.nbytes.items() if op != "recv") // config.steps
             for a, c in counters.items()}  # fmt: skip
-    return sent, predicted_nbytes(job)
+    return sent, composed.predicted_nbytes(job)
 
 
 @pytest.mark.threads

@@ -13,6 +13,10 @@ A lesson's taught regions are marked in its reference module by comment lines:
         ...the code the learner writes, a whole indented block...
         # lab 01.1 end
 
+A lesson's lab may cut more than one module (labs_table's "more"; `parts`): lesson 12 cuts the
+grid, mesh.py, into lab.py and the main job's composition, gpt/train.py, into lab_train.py;
+each file has its own impl() variable, and grading sets both.
+
 `generate` copies the module, replaces the body of each region of *this* lesson (regions of
 other lessons stay as they are) by `raise NotImplementedError("Lab 01.1: a hint for the
 learner")` at the marker's indentation, keeps the markers, and rewrites relative imports (`from
@@ -159,11 +163,27 @@ def handout() -> dict | None:
         return json.load(f)
 
 
-def lab_path(lesson: str) -> str:
-    """The file a learner fills: lessons/NN_*/lab.py, or in a handout the module itself."""
+def parts(lesson: str) -> list[dict]:
+    """The files a lesson's lab cuts, each {module, impl, lab}: its module (lab.py), then any
+    more (lesson 12: mesh.py in lab.py, the main job's train.py in lab_train.py)."""
+    entry = _lab(lesson)
+    return [
+        {"module": entry["module"], "impl": entry["impl"], "lab": "lab.py"},
+        *entry.get("more", []),
+    ]
+
+
+def lab_path(lesson: str, part: int = 0) -> str:
+    """The file a learner fills: lessons/NN_*/lab.py (or lab_train.py, ...), or in a handout
+    the module itself."""
     if handout() is not None:
-        return os.path.join(ROOT, _lab(lesson)["module"])
-    return os.path.join(ROOT, _lab(lesson)["folder"], "lab.py")
+        return os.path.join(ROOT, parts(lesson)[part]["module"])
+    return os.path.join(ROOT, _lab(lesson)["folder"], parts(lesson)[part]["lab"])
+
+
+def handout_key(lesson: str, part: int = 0) -> str:
+    """The key of a lab in handout.json: the lesson, or lesson/lab_train.py for more parts."""
+    return lesson if part == 0 else f"{lesson}/{parts(lesson)[part]['lab']}"
 
 
 def _lab(lesson: str) -> dict:
@@ -172,12 +192,13 @@ def _lab(lesson: str) -> dict:
     return LABS[lesson]
 
 
-def fresh(lesson: str, cut: set[str] | None = None) -> str:
-    """The lab.py that `generate` writes for `lesson` today (in a handout: the one handed out)."""
+def fresh(lesson: str, cut: set[str] | None = None, part: int = 0) -> str:
+    """The lab file that `generate` writes for `lesson` today (in a handout: the one handed
+    out). cut: the region ids to replace (default all); ids of another part are ignored."""
     given = handout()
     if given is not None:
-        return given[lesson]
-    module = _lab(lesson)["module"]
+        return given[handout_key(lesson, part)]
+    module = parts(lesson)[part]["module"]
     with open(os.path.join(ROOT, module)) as f:
         return make_lab(f.read(), module, lesson, cut)
 
@@ -205,10 +226,10 @@ def bodies(text: str, lesson: str, where: str = "lab") -> tuple[list[str], dict[
     return outside, inside
 
 
-def changed_outside(lesson: str, path: str) -> str:
+def changed_outside(lesson: str, path: str, part: int = 0) -> str:
     """'' if `path` differs from the generated lab only inside its regions, else a diff."""
     have, _ = bodies(open(path).read(), lesson, path)
-    want, _ = bodies(fresh(lesson), lesson)
+    want, _ = bodies(fresh(lesson, part=part), lesson)
     if have == want:
         return ""
     diff = difflib.unified_diff(want, have, "as generated", "yours", lineterm="", n=1)
@@ -221,12 +242,12 @@ def unfilled_regions(text: str, lesson: str) -> list[str]:
     return sorted(rid for rid, body in inside.items() if STUB.match(body.strip()))
 
 
-def untouched(lesson: str, path: str) -> bool:
+def untouched(lesson: str, path: str, part: int = 0) -> bool:
     """True if the lab at `path` holds no work: every region is still its stub."""
     text = open(path).read()
     _, inside = bodies(text, lesson, path)
     if not inside:  # a lab generated before the markers stayed: every stub still there?
-        want = {r[0] for r in regions(fresh(lesson)) if r[0].startswith(lesson + ".")}
+        want = {r[0] for r in regions(fresh(lesson, part=part)) if r[0].startswith(lesson + ".")}
         return all(f'"Lab {rid}:' in text for rid in want)
     return len(unfilled_regions(text, lesson)) == len(inside)
 
@@ -236,29 +257,30 @@ def generate(force: bool = False) -> list[str]:
     no longer its stub) is kept, and named in the LabError, unless force."""
     if handout() is not None:
         raise LabError("this is a student's copy: its labs are the modules in minidist/")
+    every = [(lesson, part) for lesson in LABS for part in range(len(parts(lesson)))]
     kept = [
-        os.path.relpath(lab_path(lesson), ROOT)
-        for lesson in LABS
-        if not force and os.path.exists(lab_path(lesson))
-        if not untouched(lesson, lab_path(lesson))
+        os.path.relpath(lab_path(lesson, part), ROOT)
+        for lesson, part in every
+        if not force and os.path.exists(lab_path(lesson, part))
+        if not untouched(lesson, lab_path(lesson, part), part)
     ]
     if kept:
         raise LabError(f"{', '.join(kept)} hold work: move them away, or --force to overwrite")
     written = []
-    for lesson in LABS:
-        os.makedirs(os.path.dirname(lab_path(lesson)), exist_ok=True)
-        with open(lab_path(lesson), "w") as f:
-            f.write(fresh(lesson))
-        written.append(os.path.relpath(lab_path(lesson), ROOT))
+    for lesson, part in every:
+        os.makedirs(os.path.dirname(lab_path(lesson, part)), exist_ok=True)
+        with open(lab_path(lesson, part), "w") as f:
+            f.write(fresh(lesson, part=part))
+        written.append(os.path.relpath(lab_path(lesson, part), ROOT))
     return written
 
 
 def stale() -> dict[str, str]:
     """{lab path: a short unified diff} for every committed lab.py that differs from fresh."""
     problems = {}
-    for lesson in LABS:
-        path = lab_path(lesson)
-        want = fresh(lesson)
+    for lesson, part in [(x, k) for x in LABS for k in range(len(parts(x)))]:
+        path = lab_path(lesson, part)
+        want = fresh(lesson, part=part)
         have = open(path).read() if os.path.exists(path) else ""
         if have != want:
             diff = difflib.unified_diff(
@@ -268,9 +290,9 @@ def stale() -> dict[str, str]:
     return problems
 
 
-def env_var(lesson: str) -> str:
+def env_var(lesson: str, part: int = 0) -> str:
     """MINIDIST_IMPL_COMM_THREADS for impl name comm.threads (see minidist.testing.impl)."""
-    return "MINIDIST_IMPL_" + _lab(lesson)["impl"].upper().replace(".", "_")
+    return "MINIDIST_IMPL_" + parts(lesson)[part]["impl"].upper().replace(".", "_")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -281,7 +303,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="exit 1 if a committed lab.py differs from a fresh one")
     g = sub.add_parser("grade", help="run lesson NN's tests against its lab.py (+ pytest args)")
     g.add_argument("lesson")
-    g.add_argument("--file", help="grade this file instead of the lesson's lab.py")
+    g.add_argument(
+        "--file", nargs="+", help="grade these files instead of the lesson's (lab.py, lab_train.py)"
+    )
     g.add_argument("--json", help="also write the grade as JSON to this path ('-': stdout)")
     g.add_argument("--junit", help="also write pytest's JUnit XML to this path")
     g.add_argument("--verbose", action="store_true", help="pytest's own report as well")

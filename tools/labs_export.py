@@ -30,7 +30,17 @@ def handed_out(path: str) -> bool:
     """Whether a tracked file goes into the student's copy."""
     if path.startswith(PRIVATE) or path == os.path.relpath(labs.HANDOUT, labs.ROOT):
         return False
-    return not (path.startswith("lessons/") and path.endswith("/lab.py"))
+    name = os.path.basename(path)
+    return not (path.startswith("lessons/") and name.startswith("lab") and name.endswith(".py"))
+
+
+def cut_modules() -> dict[str, tuple[str, int]]:
+    """{module path: (lesson, part)} for every file a lab cuts."""
+    return {
+        lab["module"]: (lesson, part)
+        for lesson in labs.LABS
+        for part, lab in enumerate(labs.parts(lesson))
+    }
 
 
 def export(dest: str) -> list[str]:
@@ -42,38 +52,40 @@ def export(dest: str) -> list[str]:
     tracked = subprocess.run(
         ["git", "ls-files"], cwd=labs.ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
-    cut = {labs.LABS[lesson]["module"]: lesson for lesson in labs.LABS}
+    cut = cut_modules()
     written = []
     for path in filter(handed_out, tracked):
         target = os.path.join(dest, path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if path in cut:
             with open(target, "w") as f:
-                f.write(labs.fresh(cut[path]))
+                lesson, part = cut[path]
+                f.write(labs.fresh(lesson, part=part))
         else:
             shutil.copy2(os.path.join(labs.ROOT, path), target)
         written.append(path)
     record = os.path.join(dest, os.path.relpath(labs.HANDOUT, labs.ROOT))
     with open(record, "w") as f:
-        json.dump({lesson: labs.fresh(lesson) for lesson in labs.LABS}, f, indent=0)
+        handed = {labs.handout_key(*at): labs.fresh(at[0], part=at[1]) for at in cut.values()}
+        json.dump(handed, f, indent=0)
     return written
 
 
-def reference_lines(lesson: str, shortest: int = 16) -> set[str]:
-    """The lines of the lesson's regions (stripped, no comments, at least `shortest` characters)
-    found in no other code of minidist/ (common idioms, `self.optimizer.step()`, are no secret)
-    nor outside the regions of its module: what no file of a copy may contain."""
-    module = labs.LABS[lesson]["module"]
+def reference_lines(lesson: str, shortest: int = 16, part: int = 0) -> set[str]:
+    """The lines of the lesson's regions in one of its files (stripped, no comments, at least
+    `shortest` characters) found in no other code of minidist/ (common idioms,
+    `self.optimizer.step()`, are no secret) nor outside the regions of its module: what no
+    file of a copy may contain."""
+    module = labs.parts(lesson)[part]["module"]
     text = open(os.path.join(labs.ROOT, module)).read()
-    outside = {line.strip() for line in labs.fresh(lesson).splitlines()}
+    outside = {line.strip() for line in labs.fresh(lesson, part=part).splitlines()}
+    cuts = cut_modules()
     for here, _, files in os.walk(os.path.join(labs.ROOT, "minidist")):
         for name in files:
             path = os.path.join(here, name)
             if name.endswith(".py") and os.path.relpath(path, labs.ROOT) != module:
-                cut = {labs.LABS[k]["module"]: k for k in labs.LABS}.get(
-                    os.path.relpath(path, labs.ROOT)
-                )
-                other = labs.fresh(cut) if cut else open(path).read()
+                cut = cuts.get(os.path.relpath(path, labs.ROOT))
+                other = labs.fresh(cut[0], part=cut[1]) if cut else open(path).read()
                 outside |= {line.strip() for line in other.splitlines()}
     lines = text.splitlines()
     found = set()
@@ -85,7 +97,11 @@ def reference_lines(lesson: str, shortest: int = 16) -> set[str]:
 
 def leaks(dest: str) -> list[str]:
     """'file: lab NN.k: line' for every reference line of any region found in the copy."""
-    wanted = {line: lesson for lesson in labs.LABS for line in reference_lines(lesson)}
+    wanted = {
+        line: lesson
+        for lesson, part in cut_modules().values()
+        for line in reference_lines(lesson, part=part)
+    }
     found = []
     for here, _, files in os.walk(dest):
         for name in files:

@@ -82,13 +82,14 @@ def one_line(text: str, crash: str, task: str) -> str:
     return line if len(line) <= 110 else line[:107] + "..."
 
 
-def run_tests(lesson: str, path: str, extra: list[str], verbose: bool) -> Outcomes:
-    """The lesson's tests (and its hidden ones) in this process, against the file at `path`."""
+def run_tests(lesson: str, paths: list[str], extra: list[str], verbose: bool) -> Outcomes:
+    """The lesson's tests (and its hidden ones) in this process, against the files at `paths`
+    (one per part of the lab: lab.py, then lab_train.py, ...)."""
     import pytest
 
-    os.environ.update(
-        {labs.env_var(lesson): path, "MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT}
-    )
+    for part, path in enumerate(paths):
+        os.environ[labs.env_var(lesson, part)] = path
+    os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
     outcomes = Outcomes()
     quiet = ["--tb=short", "-q"] if verbose else ["-p", "no:terminal"]
     args = [*labs.LABS[lesson]["grade"], *hidden(lesson), *quiet, "-p", "no:cacheprovider"]
@@ -150,29 +151,40 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def refusal(lesson: str, path: str) -> str:
+def refusal(lesson: str, path: str, part: int = 0) -> str:
     """'' if the file may be graded, else why not: changed outside its regions, or borrowing."""
     try:
-        diff = labs.changed_outside(lesson, path)
+        diff = labs.changed_outside(lesson, path, part)
     except labs.LabError as e:
         return f"its lab markers are broken ({e}): put them back as generated"
     if diff:
         return f"it was changed outside its lab regions; only the regions may change:\n{diff}"
     _, inside = labs.bodies(open(path).read(), lesson, path)
-    module = "minidist." + labs.LABS[lesson]["impl"]
+    module = "minidist." + labs.parts(lesson)[part]["impl"]
     for rid, body in sorted(inside.items()):
         if re.search(rf"\b{re.escape(module)}\b|import_module|__import__", body):
             return f"region {rid} uses the reference {module}: write the code yourself"
     return ""
 
 
-def grade(lesson: str, path: str | None, extra: list[str], options: dict) -> int:
-    """Grade the lab at `path` (default: the lesson's); print the table; 0 when every task
-    passes, 1 when some fail, 3 when the file is refused. options: json, junit, verbose."""
-    path = os.path.abspath(path or labs.lab_path(lesson))
-    shown = os.path.relpath(path, labs.ROOT) if path.startswith(labs.ROOT + os.sep) else path
+def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict) -> int:
+    """Grade the lab's files (default: the lesson's lab.py, lab_train.py, ...); print the
+    table; 0 when every task passes, 1 when some fail, 3 when a file is refused. options:
+    json, junit, verbose."""
+    n = len(labs.parts(lesson))
+    if files is not None and len(files) != n:
+        print(f"lab {lesson}: --file takes {n} files, one per part, got {len(files)}")
+        return 2
+    paths = [os.path.abspath(f) for f in files or [labs.lab_path(lesson, k) for k in range(n)]]
+    path = paths[0]
+    shown = ", ".join(_shown(p) for p in paths)
     result = {"lesson": lesson, "file": shown, "sha256": _digest(path)}
-    result["refused"] = refusal(lesson, path)
+    result["sha256s"] = [_digest(p) for p in paths]  # one per part
+    result["refused"] = "; ".join(
+        f"{_shown(p)}: {why}" if n > 1 else why
+        for k, p in enumerate(paths)
+        if (why := refusal(lesson, p, k))
+    )
     if result["refused"]:
         print(f"lab {lesson}: {shown} is refused: {result['refused']}", file=sys.stderr)
         _report(result, options)
@@ -181,7 +193,7 @@ def grade(lesson: str, path: str | None, extra: list[str], options: dict) -> int
     start = time.monotonic()
     if options.get("junit"):
         extra = [*extra, f"--junitxml={os.path.abspath(options['junit'])}"]
-    outcomes = run_tests(lesson, path, extra, options.get("verbose", False))
+    outcomes = run_tests(lesson, paths, extra, options.get("verbose", False))
     result |= score(lesson, outcomes) | {"seconds": round(time.monotonic() - start, 1)}
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     print(table(result))
@@ -203,6 +215,10 @@ def _report(result: dict, options: dict) -> None:
             json.dump(result, f, indent=1)
 
 
+def _shown(path: str) -> str:
+    return os.path.relpath(path, labs.ROOT) if path.startswith(labs.ROOT + os.sep) else path
+
+
 def _digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -211,8 +227,8 @@ def _digest(path: str) -> str:
 def status() -> str:
     """One line per lab: its file, regions still unfilled, changed outside, last grade."""
     lines = [f"{'lab':<4} {'file':<40} {'unfilled':<16} last grade"]
-    for lesson in labs.LABS:
-        path = labs.lab_path(lesson)
+    for lesson, part in [(x, k) for x in labs.LABS for k in range(len(labs.parts(x)))]:
+        path = labs.lab_path(lesson, part)
         shown = os.path.relpath(path, labs.ROOT)
         if not os.path.exists(path):
             lines.append(f"{lesson:<4} {shown:<40} missing")
@@ -227,7 +243,7 @@ def status() -> str:
         if os.path.exists(last):
             g = json.load(open(last))
             graded = "refused" if g.get("refused") else f"{g['earned']}/{g['points']} {g['date']}"
-            if g.get("sha256") != _digest(path):
+            if g.get("sha256s", [g.get("sha256")] * (part + 1))[part] != _digest(path):
                 graded += " (file changed since)"
         lines.append(f"{lesson:<4} {shown:<40} {left_text:<16} {graded}")
     return "\n".join(lines)
@@ -238,13 +254,13 @@ def _probe(lesson: str, cut: set[str]) -> Outcomes:
     import pytest
 
     folder = tempfile.mkdtemp(prefix="minidist-lab-")
-    path = os.path.join(folder, "lab.py")
-    with open(path, "w") as f:
-        f.write(labs.fresh(lesson, cut))
+    for part, lab in enumerate(labs.parts(lesson)):
+        path = os.path.join(folder, lab["lab"])
+        with open(path, "w") as f:
+            f.write(labs.fresh(lesson, cut, part))
+        os.environ[labs.env_var(lesson, part)] = path
     # a deliberately broken lab: derandomized, no shrinking (tests/conftest.py), short waits
-    os.environ.update(
-        {labs.env_var(lesson): path, "MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT}
-    )
+    os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
     for key in [k for k in sys.modules if k.startswith("minidist_lab_")]:
         del sys.modules[key]  # impl() caches the lab it loaded: load this one
     outcomes = Outcomes()
@@ -256,14 +272,18 @@ def _probe(lesson: str, cut: set[str]) -> Outcomes:
         pytest.main([*args, "-W", "ignore::pytest.PytestAssertRewriteWarning"], [outcomes])
     finally:
         os.chdir(old)
-        del os.environ[labs.env_var(lesson)]
+        for part in range(len(labs.parts(lesson))):
+            del os.environ[labs.env_var(lesson, part)]
     return outcomes
 
 
 def unfilled(lesson: str) -> list[str]:
     """Check the probe tests pass on the filled lab and fail on each cut region; the problems."""
-    module = open(os.path.join(labs.ROOT, labs.LABS[lesson]["module"])).read()
-    ids = sorted(r[0] for r in labs.regions(module) if r[0].startswith(lesson + "."))
+    ids = []
+    for lab in labs.parts(lesson):
+        module = open(os.path.join(labs.ROOT, lab["module"])).read()
+        ids += [r[0] for r in labs.regions(module) if r[0].startswith(lesson + ".")]
+    ids.sort()
     problems = []
     start = time.monotonic()
     filled = _probe(lesson, set())

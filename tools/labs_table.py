@@ -84,8 +84,19 @@ LABS = {
         "folder": "lessons/12_3d_parallel",
         "module": "minidist/mesh.py",
         "impl": "mesh",
-        "grade": ["tests/test_mesh.py"],
-        "probe": ["tests/test_mesh.py", "-m", "not processes"],
+        # and the main job's composition, lab_train.py (tools/labs.py parts)
+        "more": [{"module": "minidist/gpt/train.py", "impl": "gpt.train", "lab": "lab_train.py"}],
+        "grade": [
+            "tests/test_mesh.py",
+            "tests/test_train.py::test_train_threads",
+            "tests/test_train.py::test_bytes_per_dimension_equal_the_formulas",
+        ],
+        "probe": [
+            "tests/test_mesh.py",
+            "tests/test_train.py::test_bytes_per_dimension_equal_the_formulas[options0]",
+            "-m",
+            "not processes",
+        ],
     },
     "13": {
         "folder": "lessons/13_beyond_one_machine",

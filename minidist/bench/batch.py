@@ -40,7 +40,7 @@ from minidist.accumulation import train_step
 from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer
 from minidist.checkpointing import CheckpointedSequential, SavedTensorMeter, predicted_peak
 from minidist.data_parallel import DataParallelBucketed, shard
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.lr import WarmupDecay, scaled_lr
 
 D_IN, CLASSES, WIDTH, DEPTH = 32, 8, 128, 4  # the student: 4 hidden layers of 128
@@ -71,10 +71,12 @@ def task(samples: int) -> dict:
         probs, probs_eval = torch.softmax(teacher(x), 1), torch.softmax(teacher(x_eval), 1)
     floor = -(probs_eval * probs_eval.log()).sum(1).mean().item()
     return {
-        "x": x, "y": torch.multinomial(probs, 1, generator=g)[:, 0],  # (samples,)
-        "x_eval": x_eval, "y_eval": torch.multinomial(probs_eval, 1, generator=g)[:, 0],
+        "x": x,
+        "y": torch.multinomial(probs, 1, generator=g)[:, 0],  # (samples,)
+        "x_eval": x_eval,
+        "y_eval": torch.multinomial(probs_eval, 1, generator=g)[:, 0],
         "floor": floor,
-    }  # fmt: skip
+    }
 
 
 def runs(args) -> list[dict]:
@@ -83,12 +85,22 @@ def runs(args) -> list[dict]:
     big = dict(batch=k * b0, micro=args.micro)
     return [
         dict(name="small", batch=b0, lr=lr0, warmup=0, start=0.0, micro=1),
-        dict(name="large + warm-up", lr=scaled_lr(lr0, b0, k * b0), warmup=args.warmup,
-             start=1 / k, **big),
+        dict(
+            name="large + warm-up",
+            lr=scaled_lr(lr0, b0, k * b0),
+            warmup=args.warmup,
+            start=1 / k,
+            **big,
+        ),
         dict(name="large, no warm-up", lr=scaled_lr(lr0, b0, k * b0), warmup=0, start=0.0, **big),
-        dict(name="sqrt + warm-up", lr=scaled_lr(lr0, b0, k * b0, "sqrt"), warmup=args.warmup,
-             start=1 / math.sqrt(k), **big),
-    ]  # fmt: skip
+        dict(
+            name="sqrt + warm-up",
+            lr=scaled_lr(lr0, b0, k * b0, "sqrt"),
+            warmup=args.warmup,
+            start=1 / math.sqrt(k),
+            **big,
+        ),
+    ]
 
 
 def train_curve(comm, run: dict, data: dict, eval_every: int) -> list[tuple[int, float]]:
@@ -102,8 +114,16 @@ def train_curve(comm, run: dict, data: dict, eval_every: int) -> list[tuple[int,
     for step in range(steps):
         lo, hi = step * run["batch"], (step + 1) * run["batch"]
         x, y = shard(data["x"][lo:hi], comm), shard(data["y"][lo:hi], comm)  # this rank's rows
-        train_step(model, loss_fn, x, y, opt, run["micro"], no_sync=model.no_sync,
-                   finish=model.finish_gradient_sync)  # fmt: skip
+        train_step(
+            model,
+            loss_fn,
+            x,
+            y,
+            opt,
+            run["micro"],
+            no_sync=model.no_sync,
+            finish=model.finish_gradient_sync,
+        )
         schedule.step()
         if hi % eval_every == 0:
             with torch.no_grad():  # replicas are identical: each rank evaluates its own
@@ -189,10 +209,14 @@ def memory_cell(args, precision: str, policy: str) -> tuple[dict, object]:
     b = args.batch * args.d * x.element_size()
     n = sum(q.numel() for q in model.parameters())
     row = {
-        "precision": precision, "policy": policy, "k": model.k,
-        "peak": meter.peak, "predicted": predicted_peak(args.blocks, model.k, a, b),
-        "state": model_state_bytes(model, opt, mp), "state_formula": (16 if mp is None else 20) * n,
-    }  # fmt: skip
+        "precision": precision,
+        "policy": policy,
+        "k": model.k,
+        "peak": meter.peak,
+        "predicted": predicted_peak(args.blocks, model.k, a, b),
+        "state": model_state_bytes(model, opt, mp),
+        "state_formula": (16 if mp is None else 20) * n,
+    }
 
     def forward():  # F: what a recomputation adds, a forward that records the graph
         model(x)
@@ -231,7 +255,6 @@ def draw(rows: list[dict], floor: float, path: str) -> None:
 
 
 def report(batch_rows: list[dict], floor: float, memory_rows: list[dict], args, p: int) -> str:
-    mib = lambda n: f"{n / 2**20:8.2f}"  # noqa: E731
     lines = [
         f"large batches: world {p} ({args.backend}), {args.samples} samples, k = {args.k}, "
         f"base batch {args.base_batch}, base lr {args.base_lr}, SGD momentum 0.9, cosine decay; "
@@ -252,8 +275,8 @@ def report(batch_rows: list[dict], floor: float, memory_rows: list[dict], args, 
     ]
     for r in memory_rows:
         lines.append(
-            f"  {r['precision']:5} {r['policy']:5} {r['k']:2d} {mib(r['peak']):>11} "
-            f"{mib(r['predicted']):>9} {mib(r['state']):>11} {mib(r['state_formula'])} "
+            f"  {r['precision']:5} {r['policy']:5} {r['k']:2d} {_mib(r['peak']):>11} "
+            f"{_mib(r['predicted']):>9} {_mib(r['state']):>11} {_mib(r['state_formula'])} "
             f"{r['time'] * 1e3:8.1f} {r['overhead']:8.2f} {r['overhead_formula']:8.2f}"
         )
     return "\n".join(lines)
@@ -290,13 +313,7 @@ def main(args: argparse.Namespace) -> int:
     keys = vars(own.parse_args([])).keys() - {"n", "json"}
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in sorted(keys)]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n, timeout=1800)
-    else:
-        outcome = launch(["-m", "minidist.bench.batch", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench batch: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench batch", timeout=1800)
 
 
 def rank_main(argv: list[str]) -> None:
@@ -319,6 +336,10 @@ def rank_main(argv: list[str]) -> None:
     else:
         print(report(batch_rows, floor, memory_rows, args, comm.world_size))
         print(f"  curves -> {path}")
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:8.2f}"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import time
 import torch
 
 from minidist import collectives
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 
 ALGORITHMS = ("library", "naive", "recursive_doubling", "ring", "auto")
 _SHORT = {"recursive_doubling": "rec-dbl"}
@@ -90,7 +89,10 @@ def _allreduce_row(comm, nbytes: int, iters: int) -> dict:
         "ring": lambda: collectives.ring_all_reduce(x, comm, "sum"),
         "auto": lambda: collectives.all_reduce(x, comm, "sum", "auto"),
     }
-    fill = lambda: x.fill_(1.0 + comm.rank)  # noqa: E731
+
+    def fill() -> None:
+        x.fill_(1.0 + comm.rank)  # fresh data each iteration
+
     row: dict = {"nbytes": nbytes}
     for name, call in calls.items():
         seconds = time_it(comm, call, fill, iters, warmup=max(2, iters // 10))
@@ -163,13 +165,7 @@ def main(args: argparse.Namespace) -> int:
     argv = [args.what, "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes)]
     argv += ["--iters", str(args.iters)] if args.iters else []
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
-    else:
-        outcome = launch(["-m", "minidist.bench.collectives", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench")
 
 
 def rank_main(argv: list[str]) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from torch import nn
 
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel import DataParallelBucketed, DataParallelNaive
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 
 SWEEP = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -109,23 +108,22 @@ def ring_bytes(comm, args, x) -> tuple[int, float]:
 
 
 def report(row: dict, args, p: int) -> str:
-    ms = lambda s: f"{s * 1e3:9.2f} ms"  # noqa: E731
     lines = [
         f"data parallel, world {p} ({args.backend}), MLP {args.layers} x {args.width}, "
         f"batch {args.batch} per rank, bucket {args.bucket >> 10} KiB, float32, 1 thread/rank",
-        f"  one process       {ms(row['one_process'])}",
-        f"  compute (all)     {ms(row['compute'])}",
-        f"  comm alone        {ms(row['comm'])}",
-        f"  naive             {ms(row['naive'])}",
-        f"  bucketed library  {ms(row['bucketed_library'])}",
-        f"  bucketed ring     {ms(row['bucketed_ring'])}",
+        f"  one process       {_ms(row['one_process'])}",
+        f"  compute (all)     {_ms(row['compute'])}",
+        f"  comm alone        {_ms(row['comm'])}",
+        f"  naive             {_ms(row['naive'])}",
+        f"  bucketed library  {_ms(row['bucketed_library'])}",
+        f"  bucketed ring     {_ms(row['bucketed_ring'])}",
         f"  overlap {row['overlap']:.2f}   scaling efficiency {row['efficiency']:.2f}",
         f"  ring bytes sent per step {row['bytes_per_step']:,} "
         f"(formula 2(p-1)/p (N+P) * 4 = {row['bytes_formula']:,.0f})",
         "  bucket sweep (library):",
     ]
     for nbytes, t in row["sweep"].items():
-        lines.append(f"    {nbytes >> 10:6d} KiB  {row['buckets'][nbytes]:3d} buckets {ms(t)}")
+        lines.append(f"    {nbytes >> 10:6d} KiB  {row['buckets'][nbytes]:3d} buckets {_ms(t)}")
     return "\n".join(lines)
 
 
@@ -149,9 +147,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        return run_threads([os.path.abspath(__file__), *argv], args.n).returncode
-    return launch(["-m", "minidist.bench.dp", *argv], args.n, args.backend).returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench dp")
 
 
 _FORWARDED = ("backend", "layers", "width", "batch", "bucket", "steps")
@@ -166,6 +162,10 @@ def rank_main(argv: list[str]) -> None:
     row = measure(comm, args)
     if comm.rank == 0:
         print(json.dumps(row) if args.json else report(row, args, comm.world_size))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:9.2f} ms"
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from minidist.comm.wrappers import Tracer
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.partition import param_counts, partition, stage_chunks
 from minidist.pipeline import PipelineStage, measured_timeline, split_microbatches
 from minidist.schedules import (
@@ -100,13 +100,19 @@ def measure(comm, name: str, m: int, args: argparse.Namespace) -> dict:
     every = comm.all_gather(torch.empty(p, 2, dtype=peak.dtype), peak)  # (p, 2)
     counts = [peak_activations(ops, until_weight=split) for ops in programs]
     return {
-        "schedule": name, "m": m, "v": v, "step_ms": 1e3 * statistics.median(seconds),
-        "t_f_ms": 1e3 * t["F"], "t_b_ms": 1e3 * t["B"], "t_w_ms": 1e3 * t["W"],
-        "bubble": statistics.median(bubbles), "bubble_simulated": bubble_fraction(timeline),
+        "schedule": name,
+        "m": m,
+        "v": v,
+        "step_ms": 1e3 * statistics.median(seconds),
+        "t_f_ms": 1e3 * t["F"],
+        "t_b_ms": 1e3 * t["B"],
+        "t_w_ms": 1e3 * t["W"],
+        "bubble": statistics.median(bubbles),
+        "bubble_simulated": bubble_fraction(timeline),
         "bubble_formula": bubble_formula(name, p, m, v),
         "peak_bytes": every[:, 0].tolist(),
         "peak_bytes_predicted": [n * b for n, b in zip(counts, every[:, 1].tolist(), strict=True)],
-    }  # fmt: skip
+    }
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -152,13 +158,7 @@ def main(args: argparse.Namespace) -> int:
     argv = ["--microbatches", args.microbatches, "--width", str(args.width), "--rows"]
     argv += [str(args.rows), "--layers-per-stage", str(args.layers_per_stage)]
     argv += ["--steps", str(args.steps)] + (["--json"] if args.json else [])
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
-    else:
-        outcome = launch(["-m", "minidist.bench.pipeline", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench pipeline: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench pipeline")
 
 
 def rank_main(argv: list[str]) -> None:

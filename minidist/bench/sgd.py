@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.sgd import STRAGGLERS, VARIANTS, Config, least_squares, train
 
 
@@ -105,9 +105,18 @@ def measure(comm, args) -> dict | None:
         delay = {"none": 0.0, "fixed": args.delay, "random": args.spike}[scenario]
         for variant in VARIANTS:
             cfg = Config(
-                variant, args.steps, args.lr, args.staleness, args.k, 1, args.compute,
-                scenario, delay, args.chance, trace_every=n_workers,
-            )  # fmt: skip
+                variant,
+                args.steps,
+                args.lr,
+                args.staleness,
+                args.k,
+                1,
+                args.compute,
+                scenario,
+                delay,
+                args.chance,
+                trace_every=n_workers,
+            )
             run = run_one(comm, problem, cfg)
             if run is None:
                 continue
@@ -132,7 +141,6 @@ def ratios(rows: dict) -> dict:
 
 
 def report(out: dict, args, n: int) -> str:
-    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     lines = [
         f"sync vs async SGD, world {n} ({args.backend}): 1 server (or idle) + {n - 1} workers, "
         f"{args.steps} gradients each, compute {args.compute * 1e3:g} ms, fixed straggler "
@@ -143,11 +151,12 @@ def report(out: dict, args, n: int) -> str:
     ]
     for key, r in out["rows"].items():
         lines.append(
-            f"{key:16} {r['wall_s']:7.2f} {f(r['rate'], '7.0f'):>7} "
-            f"{f(r['predicted_rate'], '9.0f'):>9} "
-            f"{f(r['time_to_target_s'], '11.3f'):>11} {f(r['gradients_to_target'], '6d'):>6} "
-            f"{r['final_loss']:10.2e} {f(r['max_staleness'], '6d'):>6} "
-            f"{f(r['mean_staleness'], '7.2f'):>7}"
+            f"{key:16} {r['wall_s']:7.2f} {_or_dash(r['rate'], '7.0f'):>7} "
+            f"{_or_dash(r['predicted_rate'], '9.0f'):>9} "
+            f"{_or_dash(r['time_to_target_s'], '11.3f'):>11} "
+            f"{_or_dash(r['gradients_to_target'], '6d'):>6} "
+            f"{r['final_loss']:10.2e} {_or_dash(r['max_staleness'], '6d'):>6} "
+            f"{_or_dash(r['mean_staleness'], '7.2f'):>7}"
         )
     lines.append("time to target, sync / variant (above 1: the variant is faster):")
     lines += [f"  {name:26} {value:5.2f}x" for name, value in out["ratios"].items()]
@@ -214,9 +223,21 @@ def add_parser(sub) -> None:
 
 
 _FORWARDED = (
-    "backend", "steps", "lr", "staleness", "k", "compute", "delay", "spike", "chance", "rows",
-    "d", "batch", "target", "out",
-)  # fmt: skip
+    "backend",
+    "steps",
+    "lr",
+    "staleness",
+    "k",
+    "compute",
+    "delay",
+    "spike",
+    "chance",
+    "rows",
+    "d",
+    "batch",
+    "target",
+    "out",
+)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -224,9 +245,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"-n {args.n}: the benchmark needs a server and at least one worker")
     argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        return run_threads([os.path.abspath(__file__), *argv], args.n).returncode
-    return launch(["-m", "minidist.bench.sgd", *argv], args.n, args.backend).returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench sgd")
 
 
 def rank_main(argv: list[str]) -> None:
@@ -243,6 +262,11 @@ def rank_main(argv: list[str]) -> None:
             print(json.dumps({k: out[k] for k in ("rows", "ratios", "pictures")}))
         else:
             print(report(out, args, comm.world_size))
+
+
+def _or_dash(x, spec: str) -> str:
+    """x formatted by spec; '-' where there is no value."""
+    return "-" if x is None else format(x, spec)
 
 
 if __name__ == "__main__":

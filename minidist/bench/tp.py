@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,15 +35,18 @@ import time
 import torch
 
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 from minidist.tensor_parallel_blocks import (
     ParallelTransformerBlock,
     activation_elements,
     saved_activation_nbytes,
 )
 
-WIRE = {"all_reduce": lambda n, p: 2 * (p - 1) / p * n, "all_gather": lambda n, p: (p - 1) * n,
-        "reduce_scatter": lambda n, p: (p - 1) / p * n}  # fmt: skip
+WIRE = {
+    "all_reduce": lambda n, p: 2 * (p - 1) / p * n,
+    "all_gather": lambda n, p: (p - 1) * n,
+    "reduce_scatter": lambda n, p: (p - 1) / p * n,
+}
 
 
 def timed(comm, step, steps: int) -> float:
@@ -124,7 +126,6 @@ def run(comm, args) -> list[dict]:
 
 
 def report(rows: list[dict], args, backend: str) -> str:
-    mib = lambda b: f"{b / 2**20:8.2f}"  # noqa: E731
     base = rows[0]
     lines = [
         f"tensor-parallel block, {backend}, B={args.batch} T={args.seq} D={args.d_model} "
@@ -135,10 +136,10 @@ def report(rows: list[dict], args, backend: str) -> str:
     for row in rows:
         lines.append(
             f"{row['tp']:>3} {'yes' if row['sp'] else 'no':>3} {row['step_ms']:9.2f} "
-            f"{base['step_ms'] / row['step_ms']:8.2f} {mib(row['fwd_bytes'])} "
-            f"{mib(row['formula_bytes'][0])} {mib(row['bwd_bytes'])} "
-            f"{mib(row['formula_bytes'][1])} {mib(row['ring_bytes_per_rank']):>9} "
-            f"{mib(row['act_bytes'])} {mib(row['act_formula'])} "
+            f"{base['step_ms'] / row['step_ms']:8.2f} {_mib(row['fwd_bytes'])} "
+            f"{_mib(row['formula_bytes'][0])} {_mib(row['bwd_bytes'])} "
+            f"{_mib(row['formula_bytes'][1])} {_mib(row['ring_bytes_per_rank']):>9} "
+            f"{_mib(row['act_bytes'])} {_mib(row['act_formula'])} "
             f"{row['act_bytes'] / base['act_bytes']:8.3f}"
         )
     lines.append("times: one run on a shared machine (noisy); bytes and memory: exact")
@@ -169,13 +170,7 @@ def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module on args.backend and wait for them."""
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], args.n)
-    else:
-        outcome = launch(["-m", "minidist.bench.tp", *argv], args.n, args.backend)
-    if outcome.returncode != 0:
-        print(f"minidist bench tp: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench tp")
 
 
 def rank_main(argv: list[str]) -> None:
@@ -189,6 +184,10 @@ def rank_main(argv: list[str]) -> None:
         print(json.dumps({"bench": "tp", "backend": comm.backend, "rows": rows}))
     elif comm.rank == 0:
         print(report(rows, args, comm.backend))
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:8.2f}"
 
 
 if __name__ == "__main__":

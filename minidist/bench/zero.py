@@ -46,7 +46,7 @@ from minidist import zero, zero3
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel import DataParallelBucketed
-from minidist.launch import init, launch, run_threads
+from minidist.launch import init, start_ranks
 
 STAGES = (0, 1, 2, 3)
 MB = 1e6
@@ -81,12 +81,11 @@ def _reset_peak() -> None:
 
 def _dp_memory(model: nn.Module, optimizer) -> dict[str, int]:
     """Stage 0's model state: everything whole on every rank."""
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
     state = [v for s in optimizer.state.values() for v in s.values()]
     return {
-        "params": nbytes(model.parameters()),
-        "grads": nbytes(q.grad for q in model.parameters()),
-        "optimizer": nbytes(v for v in state if torch.is_tensor(v) and v.dim() > 0),
+        "params": _nbytes(model.parameters()),
+        "grads": _nbytes(q.grad for q in model.parameters()),
+        "optimizer": _nbytes(v for v in state if torch.is_tensor(v) and v.dim() > 0),
     }
 
 
@@ -209,10 +208,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16, help="rows per rank")
     p.add_argument("--steps", type=int, default=5, help="timed steps per stage")
-    p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
-                   help="rows of stages 1..3 (stage 0, float32, always runs)")  # fmt: skip
-    p.add_argument("--algorithm", choices=("ring", "library"), default="ring",
-                   help="ring: every byte sent is counted; library: sent shows 0")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        choices=("fp32", "bf16"),
+        default=["fp32", "bf16"],
+        help="rows of stages 1..3 (stage 0, float32, always runs)",
+    )
+    p.add_argument(
+        "--algorithm",
+        choices=("ring", "library"),
+        default="ring",
+        help="ring: every byte sent is counted; library: sent shows 0",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
@@ -232,14 +240,12 @@ def main(args: argparse.Namespace) -> int:
             argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
             argv += [f"--algorithm={args.algorithm}", f"--out={out}"]
             argv += ["--precision", *args.precision]
-            if args.backend == "threads":
-                outcome = run_threads([os.path.abspath(__file__), *argv], n)
-            else:  # large tensors straight from mmap, and back on free: RSS follows what is live
-                env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
-                outcome = launch(["-m", "minidist.bench.zero", *argv], n, args.backend, env=env)
-            if outcome.returncode != 0:
-                print(f"minidist bench zero: {outcome.report()}", file=sys.stderr, end="")
-                return outcome.returncode
+            # processes: large tensors straight from mmap, and back on free: RSS follows what
+            # is live
+            env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
+            code = start_ranks(__name__, argv, n, args.backend, "minidist bench zero", env=env)
+            if code != 0:
+                return code
             with open(out) as f:
                 results.append(json.load(f))
     if args.json:
@@ -274,6 +280,11 @@ def rank_main(argv: list[str]) -> None:
         result |= {"numel": cfg.layers * cfg.width**2, "config": vars(cfg)}
         with open(cfg.out, "w") as f:
             json.dump(result, f)
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the tensors (None: none)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ import torch
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.gpt import resume
+from minidist.gpt.gather import whole_parameters
 from minidist.gpt.model import GPTConfig
-from minidist.gpt.reference import differences, train_whole, whole_parameters
+from minidist.gpt.reference import differences, train_whole
 from minidist.gpt.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
-from minidist.launch import BACKENDS, init, launch, run_threads
+from minidist.launch import BACKENDS, init, start_ranks
 from minidist.pipeline import measured_timeline
 from minidist.schedule_cli import draw_timeline
 from minidist.schedules import NAMES, bubble_formula, bubble_fraction
@@ -135,15 +136,8 @@ def main(args: argparse.Namespace) -> int:
     argv = to_argv(args)
     n = config.layout.world_size
     linger = math.inf if args.check else None  # --check: rank 0 trains alone after the rest
-    if args.backend == "threads":
-        outcome = run_threads([os.path.abspath(__file__), *argv], n, linger=linger)
-    else:
-        env = {"OMP_NUM_THREADS": "1"}  # one core per rank: ranks share this machine
-        argv = ["-m", "minidist.gpt.cli", *argv]
-        outcome = launch(argv, n, args.backend, env=env, linger=linger)
-    if outcome.returncode != 0:
-        print(f"minidist train: {outcome.report()}", file=sys.stderr, end="")
-    return outcome.returncode
+    env = {"OMP_NUM_THREADS": "1"}  # processes: one core per rank, ranks share this machine
+    return start_ranks(__name__, argv, n, args.backend, "minidist train", env=env, linger=linger)
 
 
 def rank_main(argv: list[str]) -> None:
@@ -176,8 +170,10 @@ def rank_main(argv: list[str]) -> None:
         losses.append(loss)
         skipped += [] if stepped else [step]
         if stepped and not math.isfinite(loss):  # the same loss on every rank: all stop here
-            raise FloatingPointError(f"step {step + 1}: the loss is {loss}: training diverged "
-                                     f"(lower --lr={config.lr:g}?)")  # fmt: skip
+            raise FloatingPointError(
+                f"step {step + 1}: the loss is {loss}: training diverged "
+                f"(lower --lr={config.lr:g}?)"
+            )
         last = job.step in (config.steps, args.stop_at)
         if args.save and (last or (args.save_every and job.step % args.save_every == 0)):
             resume.save(job, resume.step_path(args.save, job.step))
@@ -225,7 +221,7 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
     world = job.mesh.world
     sent = [sum(n for op, n in counters[a].nbytes.items() if op != "recv") / steps for a in AXES]
     formula = [-1 if v is None else v for v in predicted_nbytes(job).values()]
-    held = _held_nbytes(job)
+    held = job.replicas.held_nbytes()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
     mine = [held["params"], held["optimizer"], job.stage.memory.peak, rss, *sent, *formula]
     every = torch.empty(world.world_size, len(mine), dtype=torch.float64, device=job.device)
@@ -235,21 +231,6 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
     per_rank = [dict(zip(COLUMNS, r, strict=True)) for r in every.tolist()]
     events = _gather_events(world, tracer.events, job.device)
     return {"per_rank": per_rank, "timeline": rows, "events": events}
-
-
-def _held_nbytes(job: Job) -> dict[str, int]:
-    """Bytes of parameters and of optimizer state (with fp32 masters) this rank holds now."""
-    from minidist.zero3 import memory_nbytes, storage_nbytes
-
-    r = job.replicas
-    if r.zero is not None:
-        return memory_nbytes(r.zero)
-    inner = r.mp.optimizer if r.mp is not None else r.optimizer
-    state = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
-    state += list(r.mp.master) if r.mp is not None else []
-    params = list(r.module.parameters())
-    return {"params": storage_nbytes(params),
-            "optimizer": storage_nbytes([t for t in state if t.dim() > 0])}  # fmt: skip
 
 
 def _gather_events(world, events: list[dict], device) -> dict[int, list[dict]] | None:
@@ -284,17 +265,26 @@ def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
         "bubble": bubble,
         "bubble_formula": bubble_formula(config.schedule, p, m, v),
         "per_rank": report["per_rank"],
-        "files": {k: os.path.join(args.out, f) for k, f in
-                  (("loss", "loss.png"), ("pipeline", "pipeline.png"), ("trace", "trace.json"))},
-    }  # fmt: skip
+        "files": {
+            k: os.path.join(args.out, f)
+            for k, f in (
+                ("loss", "loss.png"),
+                ("pipeline", "pipeline.png"),
+                ("trace", "trace.json"),
+            )
+        },
+    }
     reference = train_whole(config) if args.check else None
     if reference is not None:
         summary["check"] = differences(result, reference, config)
         summary["check"]["seconds_one_process"] = reference["seconds"]
     _draw_losses(summary["files"]["loss"], result, reference)
     if p > 1:
-        draw_timeline(report["timeline"], summary["files"]["pipeline"],
-                      f"{config.schedule}: measured, last step (pp={p}, m={m})")  # fmt: skip
+        draw_timeline(
+            report["timeline"],
+            summary["files"]["pipeline"],
+            f"{config.schedule}: measured, last step (pp={p}, m={m})",
+        )
     write_chrome_trace(summary["files"]["trace"], report["events"])
     print(json.dumps(summary) if args.json else _tables(summary))
     if reference is not None and not summary["check"]["ok"]:
@@ -320,39 +310,61 @@ def _draw_losses(path: str, result: dict, reference: dict | None) -> None:
 def _tables(s: dict) -> str:
     """The end-of-run report as text."""
     c = s["config"]
-    kib = lambda x: f"{x / 1024:10.1f}" if x >= 0 else f"{'-':>10}"  # noqa: E731
-    mib = lambda x: f"{x / 2**20:8.2f}"  # noqa: E731
     first, n = s["first_step"], len(s["losses"])
-    lines = [f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} in steps {first + 1}.."
-             f"{first + n} of {c['steps']}, "
-             f"{s['seconds']:.1f} s, {s['tokens_per_second']:,.0f} tokens/s"]  # fmt: skip
+    lines = [
+        f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} in steps {first + 1}.."
+        f"{first + n} of {c['steps']}, "
+        f"{s['seconds']:.1f} s, {s['tokens_per_second']:,.0f} tokens/s"
+    ]
     if s["skipped"]:
         lines.append(f"skipped steps (inf/nan): {s['skipped']}")
-    lines += ["", "per rank: MiB held; KiB handed to each comm per step (the collectives' inputs "
-              "and the sends), formula beside; '-': a dimension of size 1 sends nothing",
-              f"{'rank':>4} {'d,s,t':>6} {'params':>8} {'optim':>8} {'activ.':>8} {'rss':>8}"
-              + "".join(f" {a:>10} {a + ' f.':>10}" for a in AXES)]  # fmt: skip
+    lines += [
+        "",
+        "per rank: MiB held; KiB handed to each comm per step (the collectives' inputs "
+        "and the sends), formula beside; '-': a dimension of size 1 sends nothing",
+        f"{'rank':>4} {'d,s,t':>6} {'params':>8} {'optim':>8} {'activ.':>8} {'rss':>8}"
+        + "".join(f" {a:>10} {a + ' f.':>10}" for a in AXES),
+    ]
     layout = TrainConfig(dp=c["dp"], pp=c["pp"], tp=c["tp"]).layout
     for rank, r in enumerate(s["per_rank"]):
         d, st, t = layout.coords(rank)
-        lines.append(f"{rank:>4} {f'{d},{st},{t}':>6} {mib(r['params'])} {mib(r['optimizer'])} "
-                     f"{mib(r['activations'])} {mib(r['rss'])}"
-                     + "".join(f" {kib(r[a])} {kib(r[a + '_f'])}" if c[a] > 1 else
-                               f" {'-':>10} {'-':>10}" for a in AXES))  # fmt: skip
-    lines += ["", f"pipeline bubble (last step, replica 0): {s['bubble']:.3f} measured, "
-              f"{s['bubble_formula']:.3f} formula ({c['schedule']}, pp={c['pp']}, "
-              f"m={c['microbatches']})"]  # fmt: skip
+        lines.append(
+            f"{rank:>4} {f'{d},{st},{t}':>6} {_mib(r['params'])} {_mib(r['optimizer'])} "
+            f"{_mib(r['activations'])} {_mib(r['rss'])}"
+            + "".join(
+                f" {_kib(r[a])} {_kib(r[a + '_f'])}" if c[a] > 1 else f" {'-':>10} {'-':>10}"
+                for a in AXES
+            )
+        )
+    lines += [
+        "",
+        f"pipeline bubble (last step, replica 0): {s['bubble']:.3f} measured, "
+        f"{s['bubble_formula']:.3f} formula ({c['schedule']}, pp={c['pp']}, "
+        f"m={c['microbatches']})",
+    ]
     if "check" in s:
         k, tol = s["check"], s["check"]["tolerance"]
         verdict = "passed" if k["ok"] else "FAILED"
-        limits = f"loss {tol['loss']:g}" + (f", parameters {tol['parameters']:g}"
-                                            if tol["parameters"] else "")  # fmt: skip
-        lines.append(f"check against one process ({k['seconds_one_process']:.1f} s) {verdict}:"
-                     f" largest relative difference: loss curve {k['loss']:.2e}, final "
-                     f"parameters {k['parameters']:.2e} (accepted: {limits}); same skipped "
-                     f"steps: {k['same_skipped_steps']}")  # fmt: skip
+        limits = f"loss {tol['loss']:g}" + (
+            f", parameters {tol['parameters']:g}" if tol["parameters"] else ""
+        )
+        lines.append(
+            f"check against one process ({k['seconds_one_process']:.1f} s) {verdict}:"
+            f" largest relative difference: loss curve {k['loss']:.2e}, final "
+            f"parameters {k['parameters']:.2e} (accepted: {limits}); same skipped "
+            f"steps: {k['same_skipped_steps']}"
+        )
     lines.append("wrote " + ", ".join(s["files"].values()))
     return "\n".join(lines)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:8.2f}"
+
+
+def _kib(nbytes: float) -> str:
+    """KiB in 10 columns; '-' for a negative count (no formula)."""
+    return f"{nbytes / 1024:10.1f}" if nbytes >= 0 else f"{'-':>10}"
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ def batch_at(
     B windows of T + 1 bytes at offsets drawn from torch.Generator(seed, step): a pure function
     of its arguments, on every rank and in every run."""
     if len(data) < seq_len + 1:
-        raise ValueError(f"the text has {len(data)} bytes; seq_len={seq_len} needs at least"
-                         f" {seq_len + 1}")  # fmt: skip
+        raise ValueError(
+            f"the text has {len(data)} bytes; seq_len={seq_len} needs at least {seq_len + 1}"
+        )
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)  # (B,)
     windows = data[starts[:, None] + torch.arange(seq_len + 1)]  # (B, T + 1)

@@ -115,8 +115,10 @@ def whole_layer(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
     """Layer i of the whole model (0: Embedding, 1..L: blocks, L+1: Head), from the seed."""
     c, seed = config, config.seed * 1000 + 10 * i  # each layer its own seeds, 10 apart
     if i == 0:
-        return Embedding(_table(c.vocab_size, c.d_model, seed, dtype),
-                         _table(c.seq_len, c.d_model, seed + 1, dtype))  # fmt: skip
+        return Embedding(
+            _table(c.vocab_size, c.d_model, seed, dtype),
+            _table(c.seq_len, c.d_model, seed + 1, dtype),
+        )
     if i <= c.n_layers:
         return TransformerBlock(c.d_model, c.n_heads, c.d_ff, causal=True, seed=seed, dtype=dtype)
     if i == c.n_layers + 1:
@@ -164,8 +166,14 @@ def stage_layer_ids(config: GPTConfig, pp: int, n_chunks: int, stage: int) -> li
     return [list(range(*bounds[c * pp + stage])) for c in range(n_chunks)]
 
 
-def stage_chunks(config: GPTConfig, tp_comm, layer_ids: list[list[int]], dtype=torch.float32,
-                 recompute: bool = False, device=None) -> list[nn.Sequential]:  # fmt: skip
+def stage_chunks(
+    config: GPTConfig,
+    tp_comm,
+    layer_ids: list[list[int]],
+    dtype=torch.float32,
+    recompute: bool = False,
+    device=None,
+) -> list[nn.Sequential]:
     """This rank's chunks: each an nn.Sequential of its layers cut over tp_comm. Only these
     layers are ever built, whole and then sliced (a larger model would draw the slices alone).
     recompute: every block checkpointed (its activations recomputed in backward). device:

@@ -4,7 +4,7 @@ Equals: a run saved at step k and resumed equals the uninterrupted run: the same
 parameters (bitwise in the same layout; in another layout, as any two layouts agree: float64
 1e-12). The batches depend only on (seed, step), so the data needs no state.
 Communication (save, once): per layer, an all_gather over tp of the values and the optimizer
-state with their element numbers (reference.whole_flat); each stage of replica 0 sends its
+state with their element numbers (gather.whole_flat); each stage of replica 0 sends its
 layers to stage 0 (pp); ZeRO first consolidates over dp (zero_state.consolidate). Load: none, but
 ZeRO's load_state_dict (rank 0 of dp sends each rank its pieces).
 Memory: the whole model and its optimizer state, in float64, on world rank 0 while saving.
@@ -31,11 +31,12 @@ from dataclasses import asdict
 import torch
 
 from minidist.gpt import model as gpt
-from minidist.gpt.reference import element_numbers, to_stage_zero, whole_flat
+from minidist.gpt.gather import element_numbers, to_stage_zero, whole_flat
+from minidist.gpt.replicas import MOMENTS
 from minidist.gpt.train import Job
 
 MAGIC = b"minidist-checkpoint 1 sha256="
-KEYS = ("value", "exp_avg", "exp_avg_sq")  # per parameter element, in this order
+KEYS = ("value", *MOMENTS)  # per parameter element, in this order
 SAME_RUN = ("steps", "batch", "lr", "weight_decay", "warmup", "seed")  # a resumed run keeps these
 
 
@@ -58,38 +59,6 @@ def checkpoints(folder: str) -> list[str]:
 # ---- the state of one rank, by parameter name of the replicas' module ------------------------
 
 
-def _local_state(job: Job) -> tuple[dict, float, dict | None] | None:
-    """({name: {key: tensor}}, AdamW's step, scaler state) of this rank's tp slice, on rank 0
-    of dp (None elsewhere): every replica holds the same (ZeRO: consolidated first)."""
-    r = job.replicas
-    if r.zero is not None:
-        state = r.zero.state_dict(dst=0)  # collective over dp
-        if state is None:
-            return None
-        optim = state["optimizer"]
-        steps = [float(v["step"]) for v in optim.values() if "step" in v] or [0.0]
-        out = {n: {"value": state["model"][n], **{k: optim.get(n, {}).get(k) for k in KEYS[1:]}}
-               for n in _trainable_names(job)}  # fmt: skip
-        return out, max(steps), state.get("scaler")
-    if job.mesh.coords[0] != 0:
-        return None
-    names = _trainable_names(job)
-    params = [q for q in r.module.parameters() if q.requires_grad]
-    weights = r.mp.master if r.mp is not None else params  # what the optimizer steps
-    inner = r.mp.optimizer if r.mp is not None else r.optimizer
-    out, steps = {}, [0.0]
-    for name, w in zip(names, weights, strict=True):
-        st = inner.state.get(w, {})
-        out[name] = {"value": w.detach(), **{k: st.get(k) for k in KEYS[1:]}}
-        steps += [float(st["step"])] if "step" in st else []
-    scaler = r.scaler.state_dict() if r.mp is not None else None
-    return out, max(steps), scaler
-
-
-def _trainable_names(job: Job) -> list[str]:
-    return [n for n, q in job.replicas.module.named_parameters() if q.requires_grad]
-
-
 def _layers_with_names(job: Job):
     """(layer number, the unwrapped layer, its parameters' names in the replicas' module)."""
     ids = iter(sum(job.layer_ids, []))
@@ -106,7 +75,7 @@ def _layers_with_names(job: Job):
 def save(job: Job, path: str) -> None:
     """Write job's state to path (collective: every rank calls; world rank 0 writes)."""
     mesh, config = job.mesh, job.config
-    local = _local_state(job)
+    local = job.replicas.state()  # collective over dp for ZeRO
     if local is None:
         return  # not replica 0: nothing to contribute
     state, adam_step, scaler = local
@@ -123,10 +92,13 @@ def save(job: Job, path: str) -> None:
     if mine is None:
         return
     payload = {
-        "config": asdict(config), "step": job.step, "adam_step": adam_step,
-        "scaler": scaler, "schedule": job.schedule.state_dict(),
+        "config": asdict(config),
+        "step": job.step,
+        "adam_step": adam_step,
+        "scaler": scaler,
+        "schedule": job.schedule.state_dict(),
         "layers": {i: dict(zip(KEYS, mine[i], strict=True)) for i in sorted(mine)},
-    }  # fmt: skip
+    }
     _write_atomically(path, payload)
 
 
@@ -178,8 +150,10 @@ def load(path: str) -> dict:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # a crafted or foreign pickle behind a valid header
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{path}: not a minidist checkpoint: its contents cannot be "
-                              f"loaded safely ({type(e).__name__}: {first})") from e  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a minidist checkpoint: its contents cannot be "
+            f"loaded safely ({type(e).__name__}: {first})"
+        ) from e
 
 
 def load_latest(folder: str) -> tuple[str, dict]:
@@ -209,10 +183,14 @@ def differences(saved: dict, now: dict) -> list[str]:
     """The fields (as asdict(TrainConfig)) in which a checkpoint's run and this one differ
     where they must not: the model's shape, and SAME_RUN. The layout may change (that is
     re-sharding)."""
-    model = [f"model {k}={v!r} there, {now['model'].get(k)!r} here"
-             for k, v in saved["model"].items() if now["model"].get(k) != v]  # fmt: skip
-    return model + [f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN
-                    if saved.get(k) != now[k]]  # fmt: skip
+    model = [
+        f"model {k}={v!r} there, {now['model'].get(k)!r} here"
+        for k, v in saved["model"].items()
+        if now["model"].get(k) != v
+    ]
+    return model + [
+        f"{k}={saved.get(k)!r} there, {now[k]!r} here" for k in SAME_RUN if saved.get(k) != now[k]
+    ]
 
 
 def problems(path: str, config) -> list[str]:
@@ -264,36 +242,6 @@ def restore(job: Job, payload: dict) -> None:
             cut = payload["layers"][i][key][where].split(sizes)
             for name, q, x in zip(names, layer.parameters(), cut, strict=True):
                 mine.setdefault(name, {})[key] = x.view(q.shape)
-    _put(job, mine, payload)
+    job.replicas.load(mine, payload["adam_step"], payload["scaler"])
     job.schedule.load_state_dict(payload["schedule"])
     job.step = payload["step"]
-
-
-def _put(job: Job, mine: dict, payload: dict) -> None:
-    r, step = job.replicas, torch.tensor(payload["adam_step"], dtype=torch.float32)
-    names = _trainable_names(job)
-    if r.zero is not None:
-        dtype = job.config.precision.master  # the optimizer's state is in the masters' dtype
-        moments = {n: {k: mine[n][k].to(dtype) for k in KEYS[1:]} for n in names}
-        state = {
-            "model": {n: mine[n]["value"] for n in names},
-            "elementwise": list(KEYS[1:]),
-            "optimizer": {n: {"step": step.clone(), **moments[n]} for n in names},
-        }
-        if payload["scaler"] is not None:
-            state["scaler"] = payload["scaler"]
-        r.zero.load_state_dict(state, src=0)
-        return
-    params = [q for q in r.module.parameters() if q.requires_grad]
-    weights = r.mp.master if r.mp is not None else params
-    inner = r.mp.optimizer if r.mp is not None else r.optimizer
-    with torch.no_grad():
-        for name, q, w in zip(names, params, weights, strict=True):
-            w.copy_(mine[name]["value"])
-            q.copy_(w)  # mixed precision: the model holds the master rounded
-            if payload["adam_step"] > 0:
-                inner.state[w] = {"step": step.clone()} | {
-                    k: mine[name][k].to(w.device, w.dtype) for k in KEYS[1:]
-                }
-    if r.mp is not None and payload["scaler"] is not None:
-        r.scaler.load_state_dict(payload["scaler"])

@@ -2,7 +2,7 @@
 (plus ZeRO, mixed precision and checkpointing) composed in one place, in a fixed order.
 
 Equals: train_whole, the same model, batches, AdamW (weight decay on the weight matrices only:
-decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
+replicas.decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
 batch. float64: losses and final parameters to 1e-12 relative (tests/test_train.py); float32
 about 1e-5 (sums in another order); bf16/fp16 with the reference run in the same precision,
 within that format's rounding.
@@ -20,7 +20,7 @@ by dp; see zero.py), plus the activations the schedule keeps (pipeline.py).
 Order of composition (each step wraps what the one before made):
   1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
   2. model cut    this stage's layers, each sliced over tp_comm     model.py
-  3. replicas     precision, then data parallel or ZeRO over dp     amp.py, data_parallel, zero
+  3. replicas     precision, then data parallel or ZeRO over dp     replicas.py
   4. pipeline     the stage's chunks run by the schedule over pp    pipeline.py, schedules.py
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
 chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
@@ -34,7 +34,6 @@ Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --ch
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -43,17 +42,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from minidist import zero as zero_
-from minidist.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer, Precision
-from minidist.data_parallel import DataParallelBucketed
+from minidist.amp import PRECISIONS, Precision
 from minidist.gpt import model as gpt
 from minidist.gpt.data import SONNETS, batch_at, dp_share, load_bytes
+from minidist.gpt.replicas import Replicas, make_replicas
 from minidist.lr import WarmupDecay
 from minidist.mesh import Layout, Mesh, make_mesh
 from minidist.pipeline import PipelineStage, split_microbatches
 from minidist.schedules import NAMES, build_schedules
 from minidist.tensor_parallel import vocab_parallel_cross_entropy
-from minidist.tensor_parallel_blocks import VocabParallelEmbedding
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -91,53 +88,76 @@ class TrainConfig:
         compute = master if self.amp == "fp32" else PRECISIONS[self.amp].compute
         return Precision(compute, master, master)
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """The numbers that count something: each at least 1."""
+        m = self.model
+        return {
+            "dp": self.dp,
+            "pp": self.pp,
+            "tp": self.tp,
+            "microbatches": self.microbatches,
+            "chunks": self.chunks,
+            "steps": self.steps,
+            "batch": self.batch,
+            "seq_len": m.seq_len,
+            "d_model": m.d_model,
+            "n_heads": m.n_heads,
+            "d_ff": m.d_ff,
+            "n_layers": m.n_layers,
+        }
+
     def problems(self, world_size: int | None = None) -> list[str]:
         """Every reason this run cannot start, with the numbers; [] if it can."""
-        m = self.model
-        # fmt: off
-        counts = dict(dp=self.dp, pp=self.pp, tp=self.tp, microbatches=self.microbatches,
-                      chunks=self.chunks, steps=self.steps, batch=self.batch, seq_len=m.seq_len,
-                      d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff, n_layers=m.n_layers)
-        # fmt: on
-        found = [f"{k}={v} must be at least 1" for k, v in counts.items() if v < 1]
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            found.append(f"lr={self.lr} must be a finite number > 0")
-        if self.warmup < 0:
-            found.append(f"warmup={self.warmup} must be at least 0")
+        found = []
+        for name, value in self.counts.items():
+            _require(found, value >= 1, f"{name}={value} must be at least 1")
+        finite = math.isfinite(self.lr) and self.lr > 0
+        _require(found, finite, f"lr={self.lr} must be a finite number > 0")
+        _require(found, self.warmup >= 0, f"warmup={self.warmup} must be at least 0")
         if found:
             return found  # the checks below divide by these numbers
-        if m.seq_len + 1 > SONNETS.stat().st_size:
-            found.append(f"seq_len={m.seq_len}: the text has {SONNETS.stat().st_size} bytes, "
-                         f"a sequence needs seq_len + 1 of them")  # fmt: skip
-        if self.steps < self.warmup:
-            found.append(f"steps={self.steps} is below the warm-up of {self.warmup} steps: "
-                         f"raise --steps or lower --warmup")  # fmt: skip
-        try:
-            self.layout.check(self.layout.world_size if world_size is None else world_size)
-        except ValueError as e:
-            found.append(str(e))
-        found += self.model.problems(self.tp)
-        for name, value, allowed in (("zero", self.zero, (0, 1, 2, 3)), ("amp", self.amp,
-                                     tuple(PRECISIONS)), ("dtype", self.dtype, tuple(DTYPES)),
-                                     ("schedule", self.schedule, NAMES)):  # fmt: skip
-            if value not in allowed:
-                found.append(f"{name}={value!r} is not one of {allowed}")
-        if self.batch % self.dp or (self.batch // self.dp) % self.microbatches:
-            found.append(f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
-                         f"{self.microbatches}")  # fmt: skip
-        if self.weight_decay < 0:
-            found.append(f"weight_decay={self.weight_decay} is negative")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            found.append(f"chunks={self.chunks} needs schedule='interleaved'")
-        if self.pp * self.chunks > self.model.n_layers + 2:
-            found.append(f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model "
-                         f"has only n_layers={self.model.n_layers} + 2 layers")  # fmt: skip
-        with contextlib.suppress(KeyError):  # an unknown schedule: reported above
-            try:
-                build_schedules(self.schedule, self.pp, self.microbatches, self.chunks)
-            except ValueError as e:
-                found.append(str(e))
+        return self._layout_problems(self.layout.world_size if world_size is None else world_size)
+
+    def _layout_problems(self, world_size: int) -> list[str]:
+        """problems() once every count is at least 1: how the numbers fit together."""
+        m, found, text = self.model, [], SONNETS.stat().st_size
+        why = f"seq_len={m.seq_len}: the text has {text} bytes, a sequence needs seq_len + 1"
+        _require(found, m.seq_len + 1 <= text, why + " of them")
+        why = f"steps={self.steps} is below the warm-up of {self.warmup} steps"
+        _require(found, self.steps >= self.warmup, why + ": raise --steps or lower --warmup")
+        found += _refused(self.layout.check, world_size)
+        found += m.problems(self.tp)
+        for name, value, allowed in self.choices:
+            _require(found, value in allowed, f"{name}={value!r} is not one of {allowed}")
+        why = f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
+        _require(
+            found, self.batch % (self.dp * self.microbatches) == 0, why + f"{self.microbatches}"
+        )
+        _require(found, self.weight_decay >= 0, f"weight_decay={self.weight_decay} is negative")
+        why = f"chunks={self.chunks} needs schedule='interleaved'"
+        _require(found, self.chunks == 1 or self.schedule == "interleaved", why)
+        why = f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model has only "
+        _require(
+            found,
+            self.pp * self.chunks <= m.n_layers + 2,
+            why + f"n_layers={m.n_layers} + 2 layers",
+        )
+        if self.schedule in NAMES:  # an unknown one is reported above
+            found += _refused(
+                build_schedules, self.schedule, self.pp, self.microbatches, self.chunks
+            )
         return found
+
+    @property
+    def choices(self) -> list[tuple[str, object, tuple]]:
+        """(name, value, the values allowed) of each field that names a choice."""
+        return [
+            ("zero", self.zero, (0, 1, 2, 3)),
+            ("amp", self.amp, tuple(PRECISIONS)),
+            ("dtype", self.dtype, tuple(DTYPES)),
+            ("schedule", self.schedule, NAMES),
+        ]
 
     def check(self, world_size: int | None = None) -> TrainConfig:
         """self, or a ValueError listing every problem (before any process starts work)."""
@@ -147,105 +167,19 @@ class TrainConfig:
         return self
 
 
-def make_optimizer(config: TrainConfig):
-    """AdamW on any tensors or groups: the optimizer of every variant (and of the reference);
-    weight_decay is the default, which decay_groups turns off where GPT practice does."""
-    return lambda params, **kw: torch.optim.AdamW(
-        params, lr=config.lr, weight_decay=config.weight_decay, **kw
-    )
+def _require(found: list[str], ok: bool, why: str) -> None:
+    """found += [why] unless ok."""
+    if not ok:
+        found.append(why)
 
 
-EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # lookup tables, whole or cut over tp
-
-
-def decay_groups(module: nn.Module, tensors: list | None = None) -> list[dict]:
-    """AdamW's two groups over module's trainable parameters (or over tensors standing for
-    them, in the same order: amp's masters): the weight matrices of linear layers decay (the
-    optimizer's weight_decay); biases, LayerNorm weights and the token and position embeddings
-    do not (weight_decay 0), as GPT-2/3 and minGPT train (a table row is decayed every step
-    but gets a gradient only when its token appears). The rule reads each parameter's module
-    and dimensions, so the whole model and its tp slices split alike."""
-    params = [q for q in module.parameters() if q.requires_grad]
-    no_decay = {id(q) for m in module.modules() for q in m.parameters(recurse=False)
-                if q.dim() < 2 or isinstance(m, EMBEDDINGS)}  # fmt: skip
-    tensors = params if tensors is None else list(tensors)
-    decay = [id(q) not in no_decay for q in params]
-    return [
-        {"params": [t for t, d in zip(tensors, decay, strict=True) if d]},
-        {"params": [t for t, d in zip(tensors, decay, strict=True) if not d], "weight_decay": 0.0},
-    ]
-
-
-class Replicas:
-    """Step 3: the stage's chunks as one module, kept equal across dp by data parallelism
-    (gradients all-reduced after the pipeline step) or ZeRO; with mixed precision, fp32
-    masters (MixedPrecisionOptimizer, or ZeRO's master shards) and a loss scale.
-
-    step() -> bool (False: skipped, inf/nan somewhere in the world); scale: the loss scale;
-    on_backward: for PipelineStage; gathered(): full parameters inside (ZeRO-3)."""
-
-    def __init__(self, chunks: list[nn.Module], mesh: Mesh, config: TrainConfig):
-        self.module, self.config = nn.ModuleList(chunks), config
-        precision, opt = config.precision, make_optimizer(config)
-        groups = lambda tensors: opt(decay_groups(self.module, tensors))  # noqa: E731
-        scaler = LossScaler(2.0**16) if config.amp == "fp16" else LossScaler(1.0, dynamic=False)
-        self.mp = self.dp = self.zero = None
-        if config.zero:
-            self.zero = zero_.wrap(
-                self.module,
-                mesh.dp_comm,
-                opt,
-                config.zero,
-                param_groups=decay_groups(self.module),
-                precision=precision,
-                scaler=scaler,
-                overflow_comm=mesh.world,
-            )
-            self.optimizer, self.scaler = self.zero.optimizer, self.zero.scaler  # fmt: skip
-        elif config.amp != "fp32":
-            self.mp = MixedPrecisionOptimizer(
-                self.module, groups, precision, scaler, dp_comm=mesh.dp_comm,
-                overflow_comm=mesh.world,
-            )  # fmt: skip
-            self.optimizer, self.scaler = self.mp, scaler  # fmt: skip
-        else:
-            self.dp = DataParallelBucketed(self.module, mesh.dp_comm)
-            self.optimizer, self.scaler = groups(None), scaler
-        self.skipped: list[int] = []
-
-    @property
-    def scale(self) -> float:
-        return self.scaler.scale
-
-    def accumulating(self):
-        """The pipeline step runs in here: data parallelism waits for all microbatches."""
-        return self.dp.no_sync() if self.dp is not None else contextlib.nullcontext()
-
-    def on_backward(self, op) -> None:
-        if self.zero is not None and self.config.zero >= 2:
-            self.zero.finish_gradient_sync()  # this microbatch's gradients, reduce-scattered
-        elif self.mp is not None:
-            self.mp.collect()  # into the float32 buffer: accumulate in float32, not bf16
-
-    def step(self) -> bool:
-        if self.zero is not None:
-            stepped = self.zero.step()
-        elif self.mp is not None:
-            stepped = self.mp.step()
-        else:
-            self.dp.finish_gradient_sync()
-            self.optimizer.step()
-            stepped = True
-        self.zero_grad()
-        return stepped
-
-    def zero_grad(self) -> None:
-        owner = self.zero if self.zero is not None else self.mp
-        (owner if owner is not None else self.optimizer).zero_grad()
-        self.module.zero_grad(set_to_none=True)
-
-    def gathered(self):
-        return self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
+def _refused(check: Callable, *args) -> list[str]:
+    """[] if check(*args) passes, else [the message of the ValueError it raises]."""
+    try:
+        check(*args)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 @dataclass
@@ -277,11 +211,19 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     if observe is not None:
         subs = {axis: observe(axis, getattr(mesh, f"{axis}_comm")) for axis in ("dp", "pp", "tp")}
         mesh = Mesh(mesh.layout, mesh.world, subs["dp"], subs["pp"], subs["tp"])
+    # lab 12.4 begin: steps 2-3: this stage's layer ids and chunks (cut over tp), the replicas
     _, s, _ = mesh.coords
     layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
-    chunks = gpt.stage_chunks(config.model, mesh.tp_comm, layer_ids, DTYPES[config.dtype],
-                              recompute=config.checkpointing, device=device)  # fmt: skip
-    replicas = Replicas(chunks, mesh, config)  # 3
+    chunks = gpt.stage_chunks(
+        config.model,
+        mesh.tp_comm,
+        layer_ids,
+        DTYPES[config.dtype],
+        recompute=config.checkpointing,
+        device=device,
+    )
+    replicas = make_replicas(chunks, mesh, config)  # 3
+    # lab 12.4 end
     tp_comm = mesh.tp_comm
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -289,8 +231,9 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         logits = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
         return vocab_parallel_cross_entropy(logits, targets, tp_comm).mean() * replicas.scale
 
-    stage = PipelineStage(chunks, mesh.pp_comm, loss_fn, tracer=tracer,
-                          on_backward=replicas.on_backward)  # 4  # fmt: skip
+    stage = PipelineStage(
+        chunks, mesh.pp_comm, loss_fn, tracer=tracer, on_backward=replicas.on_backward
+    )  # 4
     program = build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s]
     schedule = WarmupDecay(replicas.optimizer, config.warmup, config.steps)
     data = load_bytes() if data is None else data
@@ -331,27 +274,64 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     in the reduce dtype and no flags); ZeRO-1 reduce-scatters the padded Psi_s, all-gathers
     the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss."""
     c, (_, s, _) = job.config, job.mesh.coords
-    e = torch.empty(0, dtype=c.precision.compute).element_size()
-    x = torch.empty(0, dtype=torch.promote_types(c.precision.compute, torch.float32))
-    n = c.batch // (c.dp * c.microbatches) * c.model.seq_len
-    a, ids, m = n * c.model.d_model * e, sum(job.layer_ids, []), c.microbatches
+    m = c.microbatches
+    e = c.precision.compute.itemsize  # bytes of an activation element
+    x = torch.promote_types(c.precision.compute, torch.float32).itemsize  # of a loss element
+    f = c.precision.master.itemsize  # of a gradient element (the reduce dtype)
+    n = c.batch // (c.dp * m) * c.model.seq_len  # tokens in a microbatch
+    a = n * c.model.d_model * e  # bytes of one activation
+    params = [q for q in job.replicas.module.parameters() if q.requires_grad]
+    return {
+        "dp": _dp_nbytes(c, params, e, f),
+        "pp": _pp_nbytes(c, s, m * a),
+        "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
+    }
+
+
+def _tp_nbytes(c: TrainConfig, ids: list[int], a: int, loss_row: int) -> int:
+    """tp bytes per microbatch of the layers ids (0: embedding, L + 1: head), a an activation,
+    loss_row the bytes of one loss element per token (x n)."""
+    # lab 12.5 begin: 4 a per block (6 a recomputed), a for the embedding, a + 3 n x for the head
     blocks = sum(1 for i in ids if 1 <= i <= c.model.n_layers)
-    tp = blocks * (6 if c.checkpointing else 4) * a + (0 in ids) * a
-    tp += (c.model.n_layers + 1 in ids) * (a + 3 * n * x.element_size())
-    n_virtual, pp = c.pp * c.chunks, 8
+    per_block = 6 * a if c.checkpointing else 4 * a  # recomputed: the forward's 2 run again
+    nbytes = blocks * per_block
+    if 0 in ids:
+        nbytes += a  # the embedding's g
+    if c.model.n_layers + 1 in ids:
+        nbytes += a + 3 * loss_row  # f's backward; the loss's max, target logit, sum of exps
+    # lab 12.5 end
+    return nbytes
+
+
+def _pp_nbytes(c: TrainConfig, s: int, ma: int) -> int:
+    """pp bytes per step of stage s, ma = m activations: for each of its chunks, m activations
+    on (and a 64-byte header) unless the chunk is the last virtual stage, m gradients back
+    unless it is the first; 8 for the loss's broadcast."""
+    # lab 12.6 begin: walk this stage's chunks (virtual stage chunk pp + s): sends each way
+    nbytes = 8
+    n_virtual = c.pp * c.chunks
     for chunk in range(c.chunks):
         u = chunk * c.pp + s  # this chunk's virtual stage
-        pp += (u < n_virtual - 1) * (m * a + 64) + (u > 0) * m * a
-    params = [q for q in job.replicas.module.parameters() if q.requires_grad]
-    numel, f = sum(q.numel() for q in params), torch.empty(0, dtype=c.precision.master)
-    f = f.element_size()
-    dp = None
+        if u < n_virtual - 1:
+            nbytes += ma + 64  # activations on, one header per chunk and step
+        if u > 0:
+            nbytes += ma  # gradients back
+    # lab 12.6 end
+    return nbytes
+
+
+def _dp_nbytes(c: TrainConfig, params: list, e: int, f: int) -> int | None:
+    """dp bytes per step: None where no formula is written (ZeRO-2/3)."""
+    numel = sum(q.numel() for q in params)
+    flags = len(params) * f  # the "used" flags, one per parameter tensor
+    if c.zero == 0 and c.amp != "fp32":
+        return 8 + numel * f  # mixed precision: the gradients only
     if c.zero == 0:
-        dp = 8 + (numel * f if c.amp != "fp32" else (numel + len(params)) * f)
-    elif c.zero == 1:
-        shard = -(-numel // c.dp)
-        dp = 8 + shard * c.dp * f + shard * e + len(params) * f
-    return {"dp": dp, "pp": pp, "tp": tp * m}
+        return 8 + numel * f + flags
+    if c.zero == 1:
+        shard = -(-numel // c.dp)  # ceil: the padded shard
+        return 8 + shard * c.dp * f + shard * e + flags  # reduce-scatter, all-gather, flags
+    return None
 
 
 def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> float:
@@ -368,7 +348,7 @@ def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> flo
 
 def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):
     """Build the job and train config.steps steps: (job, {"losses", "skipped", "seconds"}),
-    the same losses on every rank. reference.whole_parameters(job) puts the model together."""
+    the same losses on every rank. gather.whole_parameters(job) puts the model together."""
     job = build_job(comm, config, data, device=device)
     losses, skipped, start = [], [], time.perf_counter()
     for step in range(config.steps):

@@ -1,0 +1,116 @@
+"""The cut model put back together: the whole parameters on world rank 0 (whole_parameters),
+each rank's part of them (local_parameters); which elements of a layer's whole parameters each
+tp rank holds (element_numbers), a layer made whole from its tp slices (whole_flat), and every
+stage's layers sent to world rank 0 (to_stage_zero). Shared by the check against one process
+(reference.py, --check) and the checkpoints (resume.save, restore).
+
+Communication: whole_flat, an all_gather over tp of the values with their element numbers;
+to_stage_zero, one pp send per stage (tp rank 0 of replica 0).
+Memory: the whole model, in float64, on world rank 0 (to_stage_zero's result).
+Lesson: lessons/12_3d_parallel/.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from minidist.gpt import model as gpt
+
+if TYPE_CHECKING:
+    from minidist.gpt.train import Job
+
+
+def whole_parameters(job: Job) -> list[torch.Tensor] | None:
+    """The whole model's parameters, flattened per layer, in float64, on world rank 0 (None
+    elsewhere). Each tp group puts its layers back together (all_gather), then every stage
+    of replica 0 sends its layers to stage 0 (pp send/recv)."""
+    mesh, config = job.mesh, job.config
+    d, _, _ = mesh.coords
+    with job.replicas.gathered():
+        layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
+        mine = [
+            _whole_flat(config.model, i, x, mesh.tp_comm)
+            for i, x in zip(sum(job.layer_ids, []), layers, strict=True)
+        ]
+    if d != 0:
+        return None  # every replica holds the same model
+    ids = sum(job.layer_ids, [])
+    found = to_stage_zero(job, {i: x[None] for i, x in zip(ids, mine, strict=True)})  # (1, n_i)
+    return None if found is None else [found[i][0] for i in range(config.model.n_layers + 2)]
+
+
+def local_parameters(job: Job) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer i: (which whole elements this rank holds, their values in float64 on the CPU)}
+    for every layer of this rank (ZeRO-3's inside gathered()): to compare every rank with
+    whole_parameters or train_whole, as `whole[i][where]`. No communication beyond gathered()."""
+    found = {}
+    with job.replicas.gathered():
+        layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
+        for i, layer in zip(sum(job.layer_ids, []), layers, strict=True):
+            where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
+            mine = torch.cat([q.detach().double().cpu().reshape(-1) for q in layer.parameters()])
+            found[i] = (where, mine)
+    return found
+
+
+def _whole_flat(model: gpt.GPTConfig, i: int, layer: nn.Module, tp_comm) -> torch.Tensor:
+    """Layer i's whole parameters, flat (float64), from every tp rank's slices."""
+    return whole_flat(model, i, list(layer.parameters()), tp_comm)
+
+
+def to_stage_zero(job: Job, mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """Every layer's tensor (rows, n_i), whole, on world rank 0 (None elsewhere), from this
+    stage's layers `mine` (already put back together over tp): tp rank 0 of each other stage
+    sends its layers, in layer order, to stage 0 (one pp send each). Call on replica 0."""
+    mesh, config = job.mesh, job.config
+    _, s, t = mesh.coords
+    if t != 0:
+        return None
+    if s != 0:
+        mesh.pp_comm.send(torch.cat([mine[i].reshape(-1) for i in sorted(mine)]).to(job.device), 0)
+        return None
+    rows, found = next(iter(mine.values())).shape[0], dict(mine)
+    for other in range(1, config.pp):
+        ids = sorted(sum(gpt.stage_layer_ids(config.model, config.pp, config.chunks, other), []))
+        sizes = [rows * layer_numel(config.model, i) for i in ids]
+        flat = torch.empty(sum(sizes), dtype=torch.float64, device=job.device)
+        flat = mesh.pp_comm.recv(flat, other).cpu()
+        found.update({i: x.view(rows, -1) for i, x in zip(ids, flat.split(sizes), strict=True)})
+    return found
+
+
+def layer_numel(model: gpt.GPTConfig, i: int) -> int:
+    """Elements of layer i's whole parameters."""
+    return sum(q.numel() for q in gpt.whole_layer(model, i, torch.float64).parameters())
+
+
+def element_numbers(model: gpt.GPTConfig, i: int, tp_comm) -> tuple[torch.Tensor, int]:
+    """Which elements of layer i's whole parameters (laid end to end, n in all) this tp rank
+    holds, in the order of its own parameters: cut a whole layer whose parameters hold their
+    own element numbers, the same way the model is cut, and read the slices."""
+    probe = gpt.whole_layer(model, i, torch.float64)
+    n = 0
+    with torch.no_grad():
+        for q in probe.parameters():
+            q.copy_(torch.arange(n, n + q.numel(), dtype=torch.float64).view_as(q))
+            n += q.numel()
+    cut = gpt.parallel_layer(probe, tp_comm).parameters()  # slicing only: no communication
+    return torch.cat([q.detach().reshape(-1) for q in cut]).long(), n
+
+
+def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm) -> torch.Tensor:
+    """Layer i's whole tensors, flat (float64), from every tp rank's slices: tensors are this
+    rank's, one per parameter of its cut of layer i, in order (values, or an optimizer's
+    state of the same shapes). An all_gather of the values with their element numbers."""
+    where, n = element_numbers(model, i, tp_comm)
+    values = torch.cat([t.detach().double().reshape(-1) for t in tensors])
+    both = torch.empty(
+        tp_comm.world_size, 2, len(values), dtype=torch.float64, device=values.device
+    )
+    tp_comm.all_gather(both, torch.stack([where.to(values.device).double(), values]))
+    both, flat = both.cpu(), torch.empty(n, dtype=torch.float64)
+    flat[both[:, 0].reshape(-1).long()] = both[:, 1].reshape(-1)  # replicated ones: equal
+    return flat
