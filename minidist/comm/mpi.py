@@ -34,6 +34,7 @@ from .protocol import (
     DTYPE_CODE,
     DTYPES,
     SIG_BYTES,
+    Blocking,
     CallbackWork,
     CommError,
     SelfMessages,
@@ -102,7 +103,7 @@ class _RequestWork:
         poll_until(self.is_completed, self.comm.timeout, describe_me, self.stuck)
 
 
-class MPIComm:
+class MPIComm(Blocking):
     """A `Comm` over an mpi4py communicator (COMM_WORLD by default)."""
 
     backend = "mpi"
@@ -185,13 +186,6 @@ class MPIComm:
                     f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
                 )
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
-
     # collectives
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
@@ -272,22 +266,6 @@ class MPIComm:
         req = self.mpi_comm.Ibcast([flat_bytes(host).numpy(), _mpi().BYTE], root=src)
         work = _RequestWork(self, req, f"broadcast(src={src})", self.seq, src)
         return CallbackWork(work, self._back(host, t))
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self.ibroadcast(t, src).wait()
-        return t
 
     def barrier(self) -> None:
         self.seq += 1

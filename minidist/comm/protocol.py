@@ -102,6 +102,37 @@ class Comm(Protocol):
     def split(self, color: int) -> Comm: ...
 
 
+class Blocking:
+    """The blocking operations, written once for every comm: each is its `i`-variant, waited on.
+
+    Backends and wrappers list it as a base (`class MPIComm(Blocking)`) and implement only the
+    non-blocking operations, `barrier` and `split`; it holds no state.
+    """
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(t, dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(t, src, tag).wait()
+        return t
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.iall_reduce(t, op).wait()
+        return t
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.ireduce_scatter(out, inp, op).wait()
+        return out
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        self.iall_gather(out, inp).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self.ibroadcast(t, src).wait()
+        return t
+
+
 class DoneWork:
     """A `Work` that was complete when it was made (e.g. a buffered send)."""
 

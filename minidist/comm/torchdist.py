@@ -33,6 +33,7 @@ from .protocol import (
     DTYPE_CODE,
     DTYPES,
     SIG_BYTES,
+    Blocking,
     CallbackWork,
     CommError,
     CommTimeout,
@@ -168,7 +169,7 @@ class _TorchWork:
         self.done = True
 
 
-class TorchDistComm:
+class TorchDistComm(Blocking):
     """A `Comm` over a torch.distributed process group (None = the default group)."""
 
     def __init__(self, group, backend: str, device: torch.device, timeout=DEFAULT_TIMEOUT):
@@ -252,13 +253,6 @@ class TorchDistComm:
         nbytes = t.numel() * t.element_size()
         t.copy_(frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(t.dtype).reshape(t.shape))
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
-
     # collectives
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
@@ -311,22 +305,6 @@ class TorchDistComm:
         work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src),
                            group=self.group, async_op=True)  # fmt: skip
         return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self.ibroadcast(t, src).wait()
-        return t
 
     def barrier(self) -> None:
         self.seq += 1
