@@ -3,9 +3,10 @@
 A `Comm` is a group of ranks that can talk: point-to-point `send`/`recv` (and their
 non-blocking `isend`/`irecv`), the library's own collectives (`all_reduce`, `reduce_scatter`,
 `all_gather`, `broadcast`, `barrier`, each with an `i`-prefixed variant returning a `Work`), and
-`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it without a
-base class; the wrappers in `comm/wrappers.py` wear it too, so techniques never know which
-backend moves their bytes.
+`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it; the
+wrappers in `comm/wrappers.py` wear it too, so techniques never know which backend moves their
+bytes. Their one shared base, `Blocking`, holds no state: it writes each blocking operation once,
+as its `i`-variant waited on.
 
 Conventions shared by every backend (and asserted by tests/test_comm.py):
 - Tensors are filled in place and also returned. Any shape, dtype, device the backend accepts,
@@ -26,6 +27,7 @@ Conventions shared by every backend (and asserted by tests/test_comm.py):
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import time
@@ -33,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 OPS = ("sum", "avg", "max", "min")
@@ -44,6 +47,8 @@ DTYPES = [
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]  # fmt: skip
 DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}  # any other dtype: len(DTYPES)
+# a wait spins without yielding for this long first (then yields, then sleeps: poll_until)
+SPIN_SECONDS = 1e-3
 MAX_TAG = 1 << 24  # user tags are 0 .. MAX_TAG-1: backends keep the bits above for themselves
 SIG_BYTES = 160  # a signature's text travels in this many bytes
 # a library collective whose payload (its input) has at most this many bytes travels inside its
@@ -211,24 +216,25 @@ def poll_until(
 ) -> None:
     """Poll `done()` until it is true; CommTimeout after `timeout` seconds.
 
-    Three phases. Spin: small messages complete within microseconds. Then yield the core
-    (os.sched_yield) between polls for up to 50 ms: MPI advances a non-blocking operation only
-    while it is polled, so sleeping would stall every round of a large collective, while
-    yielding still lets a peer that shares this core run. (Not time.sleep(0): that is a real
-    sleep of the kernel's timer slack, 50 us and more, measured 180 us on a busy 2-core
-    machine.) Then back off to 1 ms sleeps: a long wait (a straggler, a hang on its way to the
-    timeout) should not burn a core. In that last phase `stuck()`, if given, runs before each
-    sleep: it may raise to explain why nothing comes.
+    Two phases, as MPI's own blocking waits do. For the first 50 ms, spin: MPI advances a
+    non-blocking operation only while it is polled, so any sleep would stall every round of a
+    collective; every 64 polls, yield the core (os.sched_yield) so that a peer sharing it can
+    run. (Not time.sleep(0): that is a real sleep of the kernel's timer slack, measured at
+    180 us on a busy 2-core machine, longer than a small message takes.) Then back off to 1 ms
+    sleeps: a long wait (a straggler, a hang on its way to the timeout) should not burn a core.
+    In that phase `stuck()`, if given, runs before each sleep: it may raise to say why nothing
+    comes.
     """
-    for _ in range(50):
-        if done():
-            return
     start = time.monotonic()
-    deadline, patient = start + timeout, start + 0.05
-    while not done():
+    deadline, eager, patient = start + timeout, start + SPIN_SECONDS, start + 0.05
+    while True:
+        for _ in range(64):
+            if done():
+                return
         now = time.monotonic()
         if now < patient:
-            os.sched_yield()
+            if now >= eager:
+                os.sched_yield()
             continue
         if now > deadline:
             raise CommTimeout(f"{what()} timed out after {timeout:g}s")
@@ -306,8 +312,15 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def signature(name: str, t: torch.Tensor | None, **extra) -> str:
     """What must agree across ranks for a collective: 'all_reduce(shape=(4,), float32, op=sum)'."""
-    parts = [] if t is None else [f"shape={tuple(t.shape)}", str(t.dtype).replace("torch.", "")]
-    parts += [f"{k}={v}" for k, v in extra.items()]
+    if t is None:
+        return _signature(name, None, None, tuple(extra.items()))
+    return _signature(name, t.shape, t.dtype, tuple(extra.items()))
+
+
+@functools.lru_cache(maxsize=4096)  # formatting costs more than a small message; loops repeat
+def _signature(name: str, shape, dtype, extra: tuple) -> str:
+    parts = [] if shape is None else [f"shape={tuple(shape)}", str(dtype).replace("torch.", "")]
+    parts += [f"{k}={v}" for k, v in extra]
     return f"{name}({', '.join(parts)})"
 
 
@@ -329,46 +342,79 @@ def agree(comm, sig: str, gather: Callable, payload: torch.Tensor | None = None)
     """Return once every rank of comm has called the collective `sig`; else raise
     CollectiveMismatch on every rank, naming who called what, before any buffer is touched.
 
-    One all-gather: gather(row) all-gathers a SLOT_BYTES uint8 row from every rank into a
-    (world_size, SLOT_BYTES) tensor. A row holds the signature's text, then `payload`'s bytes
-    if it has at most FUSED_BYTES. The rows have one size on every rank whatever each called,
-    so even a mismatched agreement is a well-formed collective, and every rank sees every text.
-    Returns the (world_size, nbytes) uint8 rows of the payloads when they rode along (the
-    caller folds them: the collective is done, one synchronisation instead of two), else None
-    (the caller moves the payload next). comm.collectives numbers the collectives.
+    One all-gather: gather(row) all-gathers a row of SLOT_BYTES bytes from every rank and
+    returns them, rank after rank, as one bytes-like object. A row holds the signature's text,
+    then `payload`'s bytes if it has at most FUSED_BYTES. The rows have one size on every rank
+    whatever each called, so even a mismatched agreement is a well-formed collective, and every
+    rank sees every text. Returns the rows when the payloads rode along (finish_fused folds
+    them: the collective is done, one synchronisation instead of two), else None (the caller
+    moves the payload next). Plain bytes, not tensors: on a small collective, every tensor
+    operation (microseconds each) would cost more than the bytes. comm.collectives numbers the
+    collectives.
     """
     comm.collectives += 1
     mine = _signature_bytes(sig)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     fused = payload is not None and nbytes <= FUSED_BYTES
-    row = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
-    row.numpy()[:SIG_BYTES] = memoryview(mine)
-    if fused:
-        row[SIG_BYTES : SIG_BYTES + nbytes] = flat_bytes(payload.detach().contiguous())
-    rows = gather(row).cpu()  # (p, SLOT_BYTES)
-    if rows[:, :SIG_BYTES].numpy().tobytes() != mine * comm.world_size:
-        sigs = [decode_signature(r) for r in rows[:, :SIG_BYTES]]
+    data = tensor_bytes(payload) if fused else b""
+    rows = memoryview(gather(mine + data + bytes(FUSED_BYTES - len(data)))).cast("B")
+    p = comm.world_size
+    texts = [rows[i * SLOT_BYTES : i * SLOT_BYTES + SIG_BYTES] for i in range(p)]
+    if any(text != mine for text in texts):
+        sigs = [bytes(text).rstrip(b"\0").decode(errors="replace") for text in texts]
         raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
-    return rows[:, SIG_BYTES : SIG_BYTES + nbytes] if fused else None
+    return rows if fused else None
 
 
-def finish_fused(rows: torch.Tensor, name: str, out: torch.Tensor, op="sum", src=0, rank=0):
-    """Fill `out` with this rank's result of collective `name` from the payload rows that
-    `agree` returned, (p, nbytes) uint8: rank i's flattened input in row i. Every rank folds the
-    same rows in rank order, so every rank holds bitwise the same result."""
-    data = rows.view(out.dtype)  # (p, n)
-    p = data.shape[0]
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A copy of t's bytes, in row-major order (any dtype, device, strides)."""
+    if not (t.is_cpu and t.is_contiguous()):
+        t = t.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
+    nbytes = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+
+
+_NUMPY = {
+    torch.float64: np.float64, torch.float32: np.float32, torch.int64: np.int64,
+    torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
+    torch.bool: np.bool_, torch.complex64: np.complex64, torch.complex128: np.complex128,
+}  # fmt: skip
+# bool: numpy's add and maximum are logical or, minimum is logical and, as reduce_ does
+_NUMPY_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def finish_fused(rows, name: str, out: torch.Tensor, op="sum", src=0, rank=0) -> torch.Tensor:
+    """Fill `out` with this rank's result of collective `name` from the rows `agree` returned:
+    rank i's flattened input in row i. Every rank folds the same rows in rank order, so every
+    rank holds bitwise the same result."""
+    p, n = len(rows) // SLOT_BYTES, out.numel()
+    if name == "all_reduce" and out.dtype in _NUMPY and out.is_cpu and out.is_contiguous():
+        return _all_reduce_numpy(rows, out, op, p)  # the common case, without torch's overheads
+    k = {"all_gather": n // max(p, 1), "reduce_scatter": n * p}.get(name, n)  # per row
+    table = torch.frombuffer(rows, dtype=torch.uint8).view(p, SLOT_BYTES)
+    data = table[:, SIG_BYTES : SIG_BYTES + k * out.element_size()].view(out.dtype)  # (p, k)
     if name == "all_gather":
         result = data
     elif name == "broadcast":
         result = data[src]
-    else:  # all_reduce, or reduce_scatter: rank r's chunk of n / p elements
-        n = out.numel()
-        part = data if name == "all_reduce" else data[:, rank * n : (rank + 1) * n]
-        result = reduce_rows(part, op)
+    else:  # all_reduce, or reduce_scatter: rank r's chunk of the rows
+        result = reduce_rows(
+            data if name == "all_reduce" else data[:, rank * n : (rank + 1) * n], op
+        )
         if op == "avg":
             result.div_(p)
-    out.copy_(result.reshape(out.shape))
+    return out.copy_(result.reshape(out.shape))
+
+
+def _all_reduce_numpy(rows, out: torch.Tensor, op: str, p: int) -> torch.Tensor:
+    dtype, n = _NUMPY[out.dtype], out.numel()
+    acc = np.frombuffer(rows, dtype, n, SIG_BYTES).copy()  # rank 0's row, then fold in order
+    for i in range(1, p):
+        _NUMPY_OPS[op](acc, np.frombuffer(rows, dtype, n, i * SLOT_BYTES + SIG_BYTES), out=acc)
+    if op == "avg":
+        np.divide(acc, p, out=acc)
+    if n:
+        ctypes.memmove(out.data_ptr(), acc.__array_interface__["data"][0], acc.nbytes)
     return out
 
 
