@@ -34,27 +34,24 @@ import functools
 
 import torch
 
+from .agreement import SLOT_BYTES, agree, finish_fused, signature
 from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
     DTYPES,
-    SLOT_BYTES,
     Blocking,
     CallbackWork,
     CommError,
     DoneWork,
     SelfMessages,
-    agree,
     check_gather,
     check_op,
     check_peer,
     check_tag,
     describe,
     dtype_name,
-    finish_fused,
     poll_until,
     reduce_rows,
-    signature,
 )
 
 CODES = 16  # wire tag = tag * CODES + dtype code: MAX_TAG * CODES stays below MPICH's TAG_UB

@@ -29,11 +29,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .agreement import SLOT_BYTES, agree, finish_fused, signature
 from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
     DTYPES,
-    SLOT_BYTES,
     Blocking,
     CallbackWork,
     CommError,
@@ -41,16 +41,13 @@ from .protocol import (
     DoneWork,
     PeerFailed,
     SelfMessages,
-    agree,
     check_gather,
     check_op,
     check_peer,
     check_tag,
     describe,
     dtype_name,
-    finish_fused,
     flat_bytes,
-    signature,
 )
 
 HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
