@@ -3,9 +3,10 @@
 A `Comm` is a group of ranks that can talk: point-to-point `send`/`recv` (and their
 non-blocking `isend`/`irecv`), the library's own collectives (`all_reduce`, `reduce_scatter`,
 `all_gather`, `broadcast`, `barrier`, each with an `i`-prefixed variant returning a `Work`), and
-`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it without a
-base class; the wrappers in `comm/wrappers.py` wear it too, so techniques never know which
-backend moves their bytes.
+`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it; the
+wrappers in `comm/wrappers.py` wear it too, so techniques never know which backend moves their
+bytes. Their one shared base, `Blocking`, holds no state: it writes each blocking operation once,
+as its `i`-variant waited on.
 
 Conventions shared by every backend (and asserted by tests/test_comm.py):
 - Tensors are filled in place and also returned. Any shape, dtype, device the backend accepts,
@@ -26,7 +27,7 @@ Conventions shared by every backend (and asserted by tests/test_comm.py):
 
 from __future__ import annotations
 
-import hashlib
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,7 +45,6 @@ DTYPES = [
 ]  # fmt: skip
 DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}  # any other dtype: len(DTYPES)
 MAX_TAG = 1 << 24  # user tags are 0 .. MAX_TAG-1: backends keep the bits above for themselves
-SIG_BYTES = 160  # a signature's text travels in this many bytes
 
 
 class CommError(RuntimeError):
@@ -100,6 +100,37 @@ class Comm(Protocol):
     def ibroadcast(self, t: torch.Tensor, src: int) -> Work: ...
     def barrier(self) -> None: ...
     def split(self, color: int) -> Comm: ...
+
+
+class Blocking:
+    """The blocking operations, written once for every comm: each is its `i`-variant, waited on.
+
+    Backends and wrappers list it as a base (`class MPIComm(Blocking)`) and implement only the
+    non-blocking operations, `barrier` and `split`; it holds no state.
+    """
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(t, dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(t, src, tag).wait()
+        return t
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.iall_reduce(t, op).wait()
+        return t
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.ireduce_scatter(out, inp, op).wait()
+        return out
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        self.iall_gather(out, inp).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self.ibroadcast(t, src).wait()
+        return t
 
 
 class DoneWork:
@@ -175,25 +206,30 @@ def poll_until(
 ) -> None:
     """Poll `done()` until it is true; CommTimeout after `timeout` seconds.
 
-    Three phases. Spin: small messages complete within microseconds. Then yield (sleep(0))
-    between polls for up to 50 ms: MPI advances a non-blocking operation only while it is
-    polled, so long sleeps would stall every round of a large collective, while yielding
-    still lets a peer that shares this core run. Then back off to 1 ms sleeps: a long wait
-    (a straggler, a hang on its way to the timeout) should not burn a core. In that last phase
-    `stuck()`, if given, runs before each sleep: it may raise to explain why nothing comes.
+    Two phases, as MPI's own blocking waits do. For the first 50 ms, spin: MPI advances a
+    non-blocking operation only while it is polled, so any sleep would stall every round of a
+    collective; every 64 polls, yield the core (os.sched_yield) so that a peer sharing it can
+    run. (Not time.sleep(0): that is a real sleep of the kernel's timer slack, measured at
+    180 us on a busy 2-core machine, longer than a small message takes.) Then back off to 1 ms
+    sleeps: a long wait (a straggler, a hang on its way to the timeout) should not burn a core.
+    In that phase `stuck()`, if given, runs before each sleep: it may raise to say why nothing
+    comes.
     """
-    for _ in range(200):
-        if done():
-            return
     start = time.monotonic()
     deadline, patient = start + timeout, start + 0.05
-    while not done():
+    while True:
+        for _ in range(64):
+            if done():
+                return
         now = time.monotonic()
+        if now < patient:
+            os.sched_yield()
+            continue
         if now > deadline:
             raise CommTimeout(f"{what()} timed out after {timeout:g}s")
-        if now >= patient and stuck is not None:
+        if stuck is not None:
             stuck()
-        time.sleep(0 if now < patient else 1e-3)
+        time.sleep(1e-3)
 
 
 def check_peer(comm, peer: int, name: str) -> None:
@@ -261,56 +297,3 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:  # torch calls an empty tensor of any strides contiguous: no bytes anyway
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.reshape(-1).view(torch.uint8)
-
-
-def signature(name: str, t: torch.Tensor | None, **extra) -> str:
-    """What must agree across ranks for a collective: 'all_reduce(shape=(4,), float32, op=sum)'."""
-    parts = [] if t is None else [f"shape={tuple(t.shape)}", str(t.dtype).replace("torch.", "")]
-    parts += [f"{k}={v}" for k, v in extra.items()]
-    return f"{name}({', '.join(parts)})"
-
-
-def signature_key(sig: str) -> int:
-    """A 56-bit number for a signature text, the same in every process (unlike hash())."""
-    return int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little")
-
-
-def encode_signature(sig: str) -> torch.Tensor:
-    """sig as SIG_BYTES bytes (uint8), zero-padded, for an all-gather."""
-    raw = sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def decode_signature(row: torch.Tensor) -> str:
-    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
-
-
-def agree(comm, sig: str, max_pair: Callable, gather: Callable) -> None:
-    """Return once every rank of comm has called the collective `sig`; else raise
-    CollectiveMismatch on every rank, naming who called what, before any payload moves.
-
-    max_pair(pair) all-reduces the int64 tensor (k, -k) with max, in place, k the signature's
-    56-bit key: the ranks agree iff max k == -max(-k), i.e. max k == min k. One small
-    all-reduce per collective; only on a mismatch, gather(row) all-gathers the texts as a
-    (world_size, SIG_BYTES) uint8 tensor. comm.collectives numbers the collectives.
-    """
-    comm.collectives += 1
-    key = signature_key(sig)
-    high, low = max_pair(torch.tensor([key, -key])).tolist()
-    if high == -low:
-        return
-    sigs = [decode_signature(row) for row in gather(encode_signature(sig)).cpu()]
-    raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
-
-
-def mismatch_message(comm, seq: int, sigs: list[str]) -> str:
-    """Name which ranks called what, grouped: 'ranks [0, 2]: all_reduce(...); rank 1: ...'."""
-    groups: dict[str, list[int]] = {}
-    for r, s in enumerate(sigs):
-        groups.setdefault(s, []).append(r)
-    parts = [
-        f"ranks {rs}: {s}" if len(rs) > 1 else f"rank {rs[0]}: {s}" for s, rs in groups.items()
-    ]
-    return f"collective #{seq} differs across the {comm.world_size} ranks of {comm.backend}: " + (
-        "; ".join(parts)
-    )
