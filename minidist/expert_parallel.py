@@ -20,7 +20,8 @@ by all-to-all, through autograd) -> sync_grads (the router over every rank, the 
 over their replicas: the dp x ep composition).
 Paper: Fedus, Zoph, Shazeer, "Switch Transformers" (JMLR 2022), section 2.2 (capacity factor;
 the auxiliary loss, equations 4-6); Lepikhin et al., "GShard" (ICLR 2021), section 2.2 (top-2,
-groups, dispatch order).   Lesson: lessons/14_expert_parallel/.
+groups, dispatch order; its second choice goes only at random, here always).
+Lesson: lessons/14_expert_parallel/.
 Run: minidist run -n 4 --backend mpi lessons/14_expert_parallel/demo.py
 
 Which tokens drop. An expert takes at most C = ceil(capacity_factor * k * n / E) assignments
@@ -209,8 +210,9 @@ class ExpertParallelMoE(nn.Module):
 
     forward(x) -> (y, aux): x (n, D), this rank's tokens (its group; n may differ by rank);
     y (n, D); aux this group's auxiliary loss. Collective on ep_comm: three all-to-alls forward,
-    two backward; every rank calls it the same number of times. Built from the same seed as
-    MoE, expert e here is MoE's expert e."""
+    two backward; every rank calls it the same number of times, and x requires grad on every
+    rank or on none (autograd skips the dispatch's backward all-to-all where it does not).
+    Built from the same seed as MoE, expert e here is MoE's expert e."""
 
     def __init__(self, d: int, d_ff: int, n_experts: int, ep_comm, k: int = 1,
                  capacity_factor: float | None = 1.25, alpha: float = SWITCH_ALPHA,
