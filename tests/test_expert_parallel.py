@@ -88,9 +88,10 @@ def problem(case: dict, n_groups: int):
     return groups, x, gy, full, x_ref.grad, y_ref.detach(), auxes, kept
 
 
-def ep_matches(comm, case: dict, dp: int = 1) -> None:
+def ep_matches(comm, case: dict, dp: int = 1, mesh: bool = False) -> None:
     """A world of dp x ep ranks (ep ranks adjacent), one group each: ExpertParallelMoE on the ep
-    group, sync_grads over ep and dp, equals naive_moe on all groups; bytes as the formula."""
+    group, sync_grads over ep and dp, equals naive_moe on all groups; bytes as the formula.
+    The comms are split here, or (mesh) taken from make_mesh(Layout(dp ep, 1, 1, ep))."""
     ep_mod = impl("expert_parallel")
     p_all, r = comm.world_size, comm.rank
     ep = p_all // dp
@@ -100,6 +101,9 @@ def ep_matches(comm, case: dict, dp: int = 1) -> None:
     d_coord, e_coord = divmod(r, ep)
     # dp = 1: the whole comm is the ep group (process tests split nothing per example)
     ep_comm, dp_comm = (comm, None) if dp == 1 else (comm.split(d_coord), comm.split(e_coord))
+    if mesh:
+        made = impl("mesh").make_mesh(comm, impl("mesh").Layout(p_all, 1, 1, ep))
+        ep_comm, dp_comm = made.ep_comm, made.edp_comm
     counter = Counter()
     args = (case["d"], case["f"], n_experts, ObservedComm(ep_comm, counter), case["k"], case["cf"])
     layer = ep_mod.ExpertParallelMoE(*args, case["alpha"], seed=case["seed"])
@@ -168,8 +172,8 @@ def test_expert_parallel_threads(p, case):
 
 
 @pytest.mark.threads
-@pytest.mark.parametrize("dp, ep", [(2, 1), (2, 2), (3, 2), (2, 3)])
-def test_dp_x_ep_reduces_experts_over_their_replicas_only(dp, ep):
+@pytest.mark.parametrize("dp, ep, mesh", [(2, 1, False), (2, 2, False), (3, 2, True), (2, 3, True)])
+def test_dp_x_ep_reduces_experts_over_their_replicas_only(dp, ep, mesh):
     case = {
         "e_local": 2,
         "k": 2,
@@ -180,7 +184,7 @@ def test_dp_x_ep_reduces_experts_over_their_replicas_only(dp, ep):
         "alpha": 0.01,
         "seed": 4,
     }
-    run_threads(ep_matches, dp * ep, case, dp, **FAST)
+    run_threads(ep_matches, dp * ep, case, dp, mesh, **FAST)
 
 
 def drops(comm) -> list[int]:
