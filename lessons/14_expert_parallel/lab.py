@@ -19,8 +19,8 @@ an all-to-all of the counts (8 E/p (p-1) bytes), the dispatch (m D b) and the co
 backward the two again, reversed: 8 E/p (p-1) + 2 (m + m') D b in all. Balanced, nothing
 dropped: m = m' = (p-1)/p k n, so 4 (p-1)/p k n D b.
 Memory per rank: E/p experts (2 D F + F + D parameters each, F the hidden width) and the
-router (E D); in flight, the m + m_own rows it dispatches (<= k n) and the rows that arrive
-(<= E/p * p C, C the capacity), D elements each, both ways.
+router (E D); in flight, the rows it dispatches (its kept assignments, <= k n) and the rows
+that arrive (<= C from each rank for each of its E/p experts), D elements each, both ways.
 Ladder: Router (top-k, capacity, dropping, Switch's auxiliary loss) -> MoE (every expert here;
 the single-process program) -> ExpertParallelMoE (experts over ep_comm; dispatch and combine
 by all-to-all, through autograd) -> sync_grads (the router over every rank, the experts only
