@@ -1,21 +1,22 @@
-"""Collectives by hand: all-reduce, reduce-scatter, all-gather and broadcast from send/recv only.
+"""Collectives from send/recv only: all-reduce, reduce-scatter, all-gather, broadcast, all-to-all.
 
-Equals: the library's comm.all_reduce / reduce_scatter / all_gather / broadcast, exactly for
-integer-valued data in every dtype; floats may differ in the last bits because each algorithm
-adds in its own order. Whatever the algorithm, every rank ends with bitwise the same tensor.
+Equals: the library's all_reduce, reduce_scatter, all_gather, broadcast (all_to_all: MPI's
+Alltoallv), exactly for integer-valued data in every dtype; floats may differ in the last bits
+(each algorithm adds in its own order). Whatever the algorithm, every rank ends bitwise equal.
 Communication per step, per rank (p ranks, N elements of b bytes, only point-to-point):
     naive               root receives and sends (p-1) N b; others send N b, receive N b
     recursive doubling  log2(p) exchanges of N b (+1 each way on the extra ranks if p is not
                         a power of two): latency-optimal, bandwidth-poor
     ring                2 (p-1) steps of N/p elements: sends 2 (p-1)/p N b, all to rank+1
                         (a reduce-scatter step's chunk goes in pieces of PIECE_BYTES)
+    all-to-all          p-1 pairwise steps: sends 8 (p-1) (counts) + (N - n_rr) b; N rows of b
+                        bytes, n_rr of them for this rank itself
 Memory per rank: naive and recursive doubling N b extra, the ring 2 pieces (at most
 2 PIECE_BYTES) extra; N b more when the tensor is not contiguous (a contiguous copy).
 Ladder: naive (root folds in rank order) -> recursive_doubling (log2 p rounds, for small
 messages) -> ring_reduce_scatter + ring_all_gather = ring_all_reduce (bandwidth-optimal) ->
-all_reduce picks by size -> hierarchical_all_reduce (1/g of the data across nodes; cluster.py
-prices it) -> Launcher (start one without waiting: the library's own, or the ring on a worker
-thread, for techniques that overlap communication with compute).
+all_reduce picks by size -> Launcher (start one without waiting: the library's own, or the
+ring on a worker thread, to overlap with compute) -> all_to_all (uneven rows to every rank).
 Paper: Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
 MPICH" (IJHPCA 2005), sections 4.4-4.5; Patarasuk, Yuan, "Bandwidth optimal all-reduce
 algorithms for clusters of workstations" (JPDC 2009), section 3.
@@ -311,36 +312,35 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
     return _copy_back(t, flat)
 
 
-def node_comms(comm: Comm, ranks_per_node: int) -> tuple[Comm, Comm]:
-    """(node_comm, cross_comm): the ranks on this rank's node (rank // ranks_per_node) and those
-    in its place on every node. Collective (two splits): make them once, not per call."""
-    if ranks_per_node < 1 or comm.world_size % ranks_per_node:
-        raise ValueError(f"world_size={comm.world_size} is not divisible by {ranks_per_node=}")
-    node_comm = comm.split(comm.rank // ranks_per_node)
-    cross_comm = comm.split(comm.rank % ranks_per_node)
-    return node_comm, cross_comm
+def all_to_all(
+    x: torch.Tensor, send_counts: list[int], comm: Comm, recv_counts: list[int] | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """(y, recv_counts): the rows every rank sends this rank, by pairwise exchange.
 
-
-def hierarchical_all_reduce(
-    t: torch.Tensor, node_comm: Comm, cross_comm: Comm, op: str = "sum"
-) -> torch.Tensor:
-    """All-reduce t in place, only a 1/g shard of it across nodes (g ranks a node, n nodes).
-
-    Each rank: t any shape, the same on every rank. Ring reduce-scatter in the node (local rank
-    l holds chunk l), ring all-reduce of chunk l among the n ranks holding it (cross_comm: the g
-    chunks cross the network at once, each on its own rank's link), ring all-gather in the node.
-    Sends 2 (g-1)/g N b in the node and 2 (n-1)/n N b / g across (the flat ring: 2 (p-1)/p N b).
+    x (N, ...): its next send_counts[j] rows go to rank j. y: rank 0's rows for this rank, then
+    rank 1's, ...; recv_counts[i] = rank i's send_counts[rank], exchanged first unless given
+    (a backward knows them). Step s = 1..p-1 sends to rank+s, receives from rank-s.
     """
-    check_op(op, t.dtype)
-    flat = _flat(t)  # (N,)
-    inner = "sum" if op == "avg" else op  # divide once, by p, after step 2
-    _ring_reduce_scatter_flat(flat, node_comm, inner)
-    lo, hi = chunk_bounds(flat.numel(), node_comm.world_size)[node_comm.rank]
-    ring_all_reduce(flat[lo:hi], cross_comm, inner)  # (N/g,) a view of flat: reduced in place
-    if op == "avg":  # before the all-gather: every rank gets the same quotients
-        flat[lo:hi].div_(node_comm.world_size * cross_comm.world_size)
-    _ring_all_gather_flat(flat, node_comm)
-    return _copy_back(t, flat)
+    p, r = comm.world_size, comm.rank
+    n = x.shape[0] if x.dim() else "0-d"
+    if len(send_counts) != p or min(send_counts) < 0 or sum(send_counts) != n:
+        msg = f"send_counts={list(send_counts)} must be {p} counts >= 0 summing to x.shape[0]={n}"
+        raise ValueError("all_to_all: " + msg)
+    if recv_counts is None:
+        counts = torch.tensor(send_counts, dtype=torch.int64)  # (p,): one count to each rank
+        recv_counts = all_to_all(counts, [1] * p, comm, [1] * p)[0].tolist()
+    x = x.detach().contiguous()  # (N, ...): each block a contiguous run of rows
+    y = x.new_empty((sum(recv_counts), *x.shape[1:]))  # (M, ...)
+    blocks, into = x.split(send_counts), y.split(recv_counts)
+    into[r].copy_(blocks[r])
+    for s in range(1, p):
+        dst, src = (r + s) % p, (r - s) % p
+        # both posted before either waits (rank+s sends to its rank+s now); empty blocks: no message
+        works = [comm.irecv(into[src], src)] if into[src].numel() else []
+        works += [comm.isend(blocks[dst], dst)] if blocks[dst].numel() else []
+        for work in works:
+            work.wait()
+    return y, recv_counts
 
 
 def all_reduce(

@@ -8,6 +8,9 @@ apart, and data-parallel replicas pp*tp ranks apart, across nodes, where the tra
 per step (dp) or point to point (pp).
 Communication: building a Mesh issues three comm.split calls, collective over the world, in the
 order tp, pp, dp. Afterwards tp_comm.rank == t, pp_comm.rank == s, dp_comm.rank == d.
+Expert parallelism (ep > 1, lesson 14) is carved out of dp, as in Megatron: each block of ep
+adjacent dp ranks shares out the experts (ep_comm, rank d % ep) and the ranks at the same place
+in every block hold the same experts (edp_comm, rank d // ep): two more splits, ep then edp.
 Memory per rank: nothing.
 Paper: Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM (SC 2021), section 3 (placement: tensor parallel within a node).
@@ -34,12 +37,15 @@ class Layout:
     dp: int
     pp: int
     tp: int
+    ep: int = 1  # expert parallel: blocks of ep adjacent dp ranks share out the experts
 
     def __post_init__(self):
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis}={size!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise ValueError(f"dp={self.dp} is not divisible by ep={self.ep}")
 
     @property
     def world_size(self) -> int:
@@ -76,7 +82,12 @@ class Layout:
         if axis == "dp":
             return self.grid[:, s, t].tolist()
         # lab 12.2 end
-        raise ValueError(f"axis={axis!r} is not one of {AXES}")
+        if axis == "ep":  # its block of ep dp ranks: together they hold every expert once
+            lo = d // self.ep * self.ep
+            return self.grid[lo : lo + self.ep, s, t].tolist()
+        if axis == "edp":  # the same place in every block: the replicas of its experts
+            return self.grid[d % self.ep :: self.ep, s, t].tolist()
+        raise ValueError(f"axis={axis!r} is not one of {(*AXES, 'ep', 'edp')}")
 
     def color(self, rank: int, axis: str) -> int:
         """A number shared exactly by the ranks of rank's group along axis: the split color."""
@@ -101,6 +112,8 @@ class Mesh:
     dp_comm: object
     pp_comm: object
     tp_comm: object
+    ep_comm: object = None  # with ep > 1 only: expert parallelism's all-to-all group
+    edp_comm: object = None  # with ep > 1 only: the replicas of this rank's experts
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -123,4 +136,14 @@ def make_mesh(comm, layout: Layout) -> Mesh:
                 f"rank {comm.rank}: its {axis} group has rank {sub.rank} of {sub.world_size},"
                 f" expected {coordinate} of {size}"
             )
-    return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"])
+    if layout.ep == 1:
+        return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"])
+    # ep carved out of dp, as Megatron places it: two more splits, ep then edp
+    d = layout.coords(comm.rank)[0]
+    ep_comm, edp_comm = (comm.split(layout.color(comm.rank, a)) for a in ("ep", "edp"))
+    for name, sub, want in (("ep", ep_comm, d % layout.ep), ("edp", edp_comm, d // layout.ep)):
+        if sub.rank != want:
+            raise RuntimeError(
+                f"rank {comm.rank}: its {name} group has rank {sub.rank}, not {want}"
+            )
+    return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"], ep_comm, edp_comm)

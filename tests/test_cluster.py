@@ -2,7 +2,7 @@
 
 Tier 0: the presets are well-formed and their formulas are the documented ones; the model's
 qualitative claims (the hierarchy beats the flat ring across nodes; trees win small messages
-at many ranks) hold on the presets. Tiers 1-2: collectives.hierarchical_all_reduce equals the
+at many ranks) hold on the presets. Tiers 1-2: hierarchical.hierarchical_all_reduce equals the
 exact reduction (integer-valued data: exact in every dtype) and bitwise the flat ring, for
 every op, dtype, layout and nodes x ranks-per-node, and each rank sends exactly the bytes of
 cluster.hierarchical_sent_nbytes inside and across nodes.
@@ -17,8 +17,9 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from minidist.collectives import hierarchical_all_reduce, node_comms, ring_all_reduce
+from minidist.collectives import ring_all_reduce
 from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.hierarchical import hierarchical_all_reduce, node_comms
 from minidist.testing import (
     RANK_SETTINGS,
     all_dtypes,

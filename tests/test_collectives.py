@@ -7,11 +7,16 @@ examples, inside a larger buffer whose other elements must come back untouched. 
 fetched with impl("collectives") inside each rank, so `make lab L=02` grades a learner's file.
 Tiers: threads (world sizes 1..8, many examples), processes (4 mpi or gloo processes started
 once per test, world sizes 1..4 by splitting). Byte counts are checked against the formulas in
-the module docstring. Speed is measured by `minidist bench`, never asserted here.
+the module docstring. all_to_all (uneven counts drawn from the seed) is also compared, byte for
+byte, with the library's own in the process tier: MPI_Alltoallv on mpi; on gloo
+torch.distributed.all_to_all_single, which Gloo runs with uneven splits (its list form,
+all_to_all, refuses blocks of different sizes). Speed is measured by `minidist bench`, never
+asserted here.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -25,6 +30,7 @@ from minidist.testing import (
     all_dtypes,
     check_all,
     impl,
+    in_subworlds,
     integer_valued,
     ops,
     reduce_expected,
@@ -182,6 +188,37 @@ def broadcast_case(comm, dtype, shape, seed, strided) -> None:
     check_all(comm, pairs, context=f"broadcast from {src} p={p} {shape} {dtype}")
 
 
+def split_counts(p: int, seed: int) -> list[list[int]]:
+    """counts[i][j]: the rows rank i sends rank j, 0..3, from the seed alone: every rank knows
+    the whole matrix, so each computes what it must receive itself."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4, (p, p), generator=g).tolist()
+
+
+def all_to_all_case(comm, dtype, row, seed, strided, known) -> None:
+    """all_to_all: rank r gets, in source rank order, the rows each rank sends it; it sends
+    8 (p-1) bytes of counts (none when it is told recv_counts) + its rows for other ranks."""
+    C = impl("collectives")
+    p, r = comm.world_size, comm.rank
+    counts = split_counts(p, seed)
+    xs = [integer_valued((sum(counts[i]), *row), dtype, seed, rank=i) for i in range(p)]
+    x, base = placed(xs[r], strided)
+    recv = [counts[i][r] for i in range(p)]
+    counter = Counter()
+    observed = ObservedComm(comm, counter)
+    y, got = C.all_to_all(x, counts[r], observed, recv if known else None)
+    want = torch.cat([xs[i].split(counts[i])[r] for i in range(p)])  # (sum(recv), *row)
+    row_nbytes = math.prod(row) * x.element_size()
+    nbytes = 8 * (p - 1) * (not known) + (sum(counts[r]) - counts[r][r]) * row_nbytes
+    context = f"all_to_all p={p} row={row} {dtype} counts={counts} strided={strided}"
+    pairs = {"y": (y, want), "input unchanged": (x, xs[r]), "gaps": untouched(base, strided)}
+    check_all(comm, pairs, context=context)
+    sent = counter.bytes_sent
+    ok = got == recv and sent == nbytes
+    verdict(comm, ok, f"{context}: recv_counts {got} (want {recv}), sent {sent} B (want {nbytes})")
+    return y, recv
+
+
 # ---- tier 1: threads, world sizes 1..8 ---------------------------------------------------
 
 layouts = st.booleans()  # strided or not
@@ -215,6 +252,37 @@ def test_ring_all_gather_threads(p, dtype, shape, seed, strided):
 @given(st.integers(1, 8), all_dtypes, shapes(), seeds, layouts)
 def test_broadcast_threads(p, dtype, shape, seed, strided):
     run_threads(broadcast_case, p, dtype, shape, seed, strided, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), all_dtypes, shapes(max_dims=2, max_side=3), seeds, layouts, st.booleans())
+def test_all_to_all_threads(p, dtype, row, seed, strided, known):
+    run_threads(all_to_all_case, p, dtype, row, seed, strided, known, **FAST)
+
+
+def bad_all_to_all(comm) -> list[str]:
+    C = impl("collectives")
+    messages = []
+    for x, counts in [
+        (torch.ones(5, 2), [2, 2]),
+        (torch.ones(4), [1, 1, 1]),
+        (torch.ones(()), [0] * 3),
+    ]:
+        try:
+            C.all_to_all(x, counts, comm)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.threads
+def test_all_to_all_refuses_counts_that_do_not_fit_naming_them():
+    for short, wrong_len, scalar in run_threads(bad_all_to_all, 3, **FAST):
+        assert "send_counts=[2, 2]" in short and "3 counts" in short and "x.shape[0]=5" in short
+        assert "send_counts=[1, 1, 1]" in wrong_len and "x.shape[0]=4" in wrong_len
+        assert "0-d" in scalar
 
 
 def mirrors_library(comm, n_per_rank: int) -> None:
@@ -430,3 +498,54 @@ def properties_in_ranks(comm, max_examples: int) -> int:
 def test_collectives_processes(backend):
     counts = run_ranks(properties_in_ranks, 4, backend, 25, timeout=240)
     assert len(set(counts)) == 1 and counts[0] >= 25, counts  # every rank ran the same cases
+
+
+def library_all_to_all(comm, x, send_counts, recv_counts) -> torch.Tensor:
+    """The library's all-to-all of x's rows, moved as bytes (every dtype, bool included):
+    MPI_Alltoallv on mpi; torch.distributed.all_to_all_single on gloo, which Gloo implements
+    with uneven splits (its list form, all_to_all, refuses blocks of different sizes)."""
+    row = math.prod(x.shape[1:]) * x.element_size()
+    send = x.contiguous().reshape(-1).view(torch.uint8)  # (N row,)
+    out = torch.empty(sum(recv_counts) * row, dtype=torch.uint8)  # (M row,)
+    sizes, recv_sizes = [c * row for c in send_counts], [c * row for c in recv_counts]
+    if comm.backend == "gloo":
+        import torch.distributed as dist
+
+        dist.all_to_all_single(out, send, recv_sizes, sizes, group=comm.group)
+        return out
+    from mpi4py import MPI
+
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    recv_starts = [sum(recv_sizes[:j]) for j in range(len(recv_sizes))]
+    comm.mpi_comm.Alltoallv(
+        [send.numpy(), (sizes, starts), MPI.BYTE],
+        [out.numpy(), (recv_sizes, recv_starts), MPI.BYTE],
+    )
+    return out
+
+
+def all_to_all_in_ranks(comm, max_examples: int) -> int:
+    """Hypothesis inside every rank, world sizes 1..p by splitting: all_to_all is exact, sends
+    the formula's bytes, and gives the library's all-to-all byte for byte."""
+
+    def check(sub, case):
+        y, recv = all_to_all_case(sub, *case)
+        x = integer_valued(
+            (sum(split_counts(sub.world_size, case[2])[sub.rank]), *case[1]),
+            case[0],
+            case[2],
+            rank=sub.rank,
+        )
+        lib = library_all_to_all(sub, x, split_counts(sub.world_size, case[2])[sub.rank], recv)
+        ours = y.contiguous().reshape(-1).view(torch.uint8)
+        check_all(sub, {"library": (ours, lib)}, context=f"vs the library: {case}")
+
+    cases = st.tuples(all_dtypes, shapes(max_dims=2, max_side=3), seeds, layouts, st.booleans())
+    return in_subworlds(comm, check, cases, max_examples)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_all_to_all_processes(backend):
+    counts = run_ranks(all_to_all_in_ranks, 4, backend, 25, timeout=120)
+    assert len(set(counts)) == 1 and counts[0] >= 25, counts

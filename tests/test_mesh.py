@@ -68,8 +68,49 @@ def test_bad_layouts_are_refused_naming_every_factor():
         Layout(1, 1, 0)
     with pytest.raises(ValueError, match="rank=8 is outside a world of 8"):
         Layout(2, 2, 2).coords(8)
-    with pytest.raises(ValueError, match="axis='ep'"):
-        Layout(2, 2, 2).group(0, "ep")
+    with pytest.raises(ValueError, match="axis='xp'"):
+        Layout(2, 2, 2).group(0, "xp")
+    with pytest.raises(ValueError, match="dp=6 is not divisible by ep=4"):
+        Layout(6, 1, 2, ep=4)
+    with pytest.raises(ValueError, match="ep=0 must be a positive integer"):
+        Layout(2, 1, 1, ep=0)
+
+
+@pytest.mark.pure
+@settings(max_examples=100, deadline=None)
+@given(sizes, st.integers(1, 4))
+def test_ep_blocks_of_adjacent_dp_ranks_and_their_replicas(dp_pp_tp, ep):
+    """ep: blocks of ep consecutive dp coordinates (same pp, tp); edp: the same place (d % ep)
+    in every block. Brute force from the coordinates, not from group()."""
+    dp, pp, tp = dp_pp_tp
+    layout = impl("mesh").Layout(dp * ep, pp, tp, ep)
+    for rank in range(layout.world_size):
+        d, s, t = layout.coords(rank)
+        peers = [r for r in range(layout.world_size) if layout.coords(r)[1:] == (s, t)]
+        block = [r for r in peers if layout.coords(r)[0] // ep == d // ep]
+        replicas = [r for r in peers if layout.coords(r)[0] % ep == d % ep]
+        assert layout.group(rank, "ep") == block and block.index(rank) == d % ep
+        assert layout.group(rank, "edp") == replicas and replicas.index(rank) == d // ep
+
+
+def ep_members(comm, layout) -> tuple:
+    """The world ranks in this rank's ep and edp comms, and its rank in each."""
+    mesh = impl("mesh").make_mesh(comm, layout)
+    found = []
+    for sub in (mesh.ep_comm, mesh.edp_comm):
+        members = torch.empty(sub.world_size, dtype=torch.int64)
+        sub.all_gather(members, torch.tensor([comm.rank]))
+        found.append((members.tolist(), sub.rank))
+    return tuple(found)
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("dp_pp_tp_ep", [(4, 1, 1, 2), (2, 2, 1, 2), (6, 1, 1, 3), (4, 1, 2, 4)])
+def test_make_mesh_splits_ep_and_its_replicas(dp_pp_tp_ep):
+    layout = impl("mesh").Layout(*dp_pp_tp_ep)
+    for rank, (ep, edp) in enumerate(run_threads(ep_members, layout.world_size, layout)):
+        assert ep == (layout.group(rank, "ep"), layout.coords(rank)[0] % layout.ep), rank
+        assert edp == (layout.group(rank, "edp"), layout.coords(rank)[0] // layout.ep), rank
 
 
 def mesh_groups(comm, dp_pp_tp: tuple[int, int, int]) -> dict:

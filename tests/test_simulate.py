@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from minidist import cluster
-from minidist.collectives import hierarchical_all_reduce, node_comms, ring_all_reduce
+from minidist.collectives import ring_all_reduce
 from minidist.data_parallel import DataParallelBucketed
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.train import TrainConfig, train
+from minidist.hierarchical import hierarchical_all_reduce, node_comms
 from minidist.simulate import simulate
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock
 from minidist.testing import impl, run_threads

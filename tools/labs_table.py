@@ -105,4 +105,11 @@ LABS = {
         "grade": ["tests/test_cluster.py", "tests/test_simulate.py", "-m", "pure or threads"],
         "probe": ["tests/test_cluster.py", "-m", "pure"],
     },
+    "14": {
+        "folder": "lessons/14_expert_parallel",
+        "module": "minidist/expert_parallel.py",
+        "impl": "expert_parallel",
+        "grade": ["tests/test_expert_parallel.py", "-m", "not processes"],
+        "probe": ["tests/test_expert_parallel.py", "-k", "keep_mask or switch_aux or dp_x_ep"],
+    },
 }

@@ -14,7 +14,8 @@ import torch
 
 import minidist
 from minidist import cluster
-from minidist.collectives import hierarchical_all_reduce, node_comms, ring_all_reduce
+from minidist.collectives import ring_all_reduce
+from minidist.hierarchical import hierarchical_all_reduce, node_comms
 from minidist.simulate import simulate
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock
 
