@@ -1,0 +1,254 @@
+"""Context parallelism (ring attention) equals causal attention over the whole sequence in one
+process, on every rank.
+
+Recipe: every rank builds q, k, v and the upstream gradient of the whole sequence from one seed,
+runs plain causal attention (the (T, T) scores materialized, torch.softmax, autograd; checked
+once against F.scaled_dot_product_attention), cuts this rank's tokens *here* from the layout's
+positions (chunk r; or chunks r and 2cp-1-r), and compares the output and dL/dq, dL/dk, dL/dv
+with check_all. The module comes from impl("context_parallel") inside the rank functions, so
+`make lab L=15` grades a learner's lab.
+Tolerance: float64, rtol 1e-12 with atol 1e-13: the log-sum-exp merge adds the blocks'
+exponentials in another order than one softmax, and gradients that cancel to near zero keep the
+absolute rounding of their O(1) terms (about 1e-16 each).
+Bytes sent per rank (counted with ObservedComm), the tensors saved for backward (measured by the
+saved-tensor hooks) and the causal work per rank are checked against the docstring's formulas.
+Tiers: pure (the plan, the work formulas, refusals), threads (cp 1..6, hypothesis), processes
+(4 mpi or gloo processes started once per test, cp 1..4 by splitting).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
+
+RTOL, ATOL = 1e-12, 1e-13  # float64: see the module docstring
+FAST = {"timeout": 30, "comm_timeout": 8}  # a message waiting 8 s here is a deadlock
+F64 = torch.float64
+
+
+def positions(t: int, cp: int, rank: int, layout: str) -> torch.Tensor:
+    """The global positions of rank's tokens, written out here from the layout's definition."""
+    if layout == "plain":
+        m = t // cp
+        return torch.arange(rank * m, (rank + 1) * m)
+    m = t // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return torch.cat(
+        [torch.arange(rank * m, (rank + 1) * m), torch.arange(late * m, (late + 1) * m)]
+    )
+
+
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d) + causal mask) v, one process: (B, H, T, d) -> (B, H, T, d)."""
+    t = q.shape[2]
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def ring_matches(comm, case: dict) -> None:
+    """ring_attention vs causal_attention: the output and the gradients of q, k, v, this rank's
+    tokens; q, k, v handed over non-contiguous."""
+    cp_module = impl("context_parallel")
+    cp, r, layout = comm.world_size, comm.rank, case["layout"]
+    chunks = 2 * cp if layout == "zigzag" else cp
+    t = case["m"] * chunks
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape = (case["b"], case["h"], t, case["d"])
+    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=F64) for _ in range(4))
+    full = [leaf(x) for x in (q, k, v)]
+    y_ref = causal_attention(*full)
+    y_ref.backward(grad)
+    mine = positions(t, cp, r, layout)
+    cut = lambda x: x.index_select(2, mine)  # noqa: E731
+    local = [leaf(cut(x).transpose(1, 2).contiguous().transpose(1, 2)) for x in (q, k, v)]
+    y = cp_module.ring_attention(*local, comm, layout)
+    y.backward(cut(grad))
+    pairs = {"y": (y, cut(y_ref))}
+    for name, got, want in zip(("q", "k", "v"), local, full, strict=True):
+        pairs[f"dL/d{name}"] = (got.grad, cut(want.grad))
+    if r == 0:  # the reference itself, once: torch's own causal attention
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        pairs["reference vs sdpa"] = (y_ref.detach(), sdpa)
+    check_all(comm, pairs, RTOL, ATOL, context=str(case))
+
+
+ring_cases = st.fixed_dictionaries(
+    {
+        "layout": st.sampled_from(["plain", "zigzag"]),
+        "m": st.integers(1, 4),  # tokens per chunk
+        "b": st.integers(1, 3),
+        "h": st.integers(1, 3),
+        "d": st.sampled_from([1, 2, 5]),
+        "seed": st.integers(0, 10**6),
+    }
+)
+
+
+@pytest.mark.threads
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), ring_cases)
+def test_ring_attention_threads(cp, case):
+    run_threads(ring_matches, cp, case, **FAST)
+
+
+# ---- the plan, the causal work, refusals -----------------------------------------------------
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 7])
+def test_the_plan_computes_every_causal_pair_once(cp, layout):
+    """Over all ranks and steps, each (query chunk, key chunk) with query >= key, exactly once."""
+    cpm = impl("context_parallel")
+    seen = []
+    for rank in range(cp):
+        mine = cpm.chunks_of(cp, rank, layout)
+        for step, pairs in enumerate(cpm.ring_plan(cp, rank, layout)):
+            theirs = cpm.chunks_of(cp, (rank - step) % cp, layout)
+            seen += [(mine[a], theirs[b], diagonal) for a, b, diagonal in pairs]
+    c = 2 * cp if layout == "zigzag" else cp
+    want = [(i, j, i == j) for i in range(c) for j in range(i + 1)]
+    assert sorted(seen) == sorted(want)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_causal_work_per_rank_matches_the_docstring(cp, m):
+    cpm = impl("context_parallel")
+    plain = [cpm.causal_pairs(cp * m, cp, r, "plain") for r in range(cp)]
+    assert plain == [r * m * m + m * (m + 1) // 2 for r in range(cp)]
+    t = 2 * cp * m
+    zigzag = [cpm.causal_pairs(t, cp, r, "zigzag") for r in range(cp)]
+    assert zigzag == [(2 * cp - 1) * m * m + m * (m + 1)] * cp
+    assert sum(zigzag) == t * (t + 1) // 2  # the causal mask's pairs, split evenly
+    t = cp * m
+    assert max(plain) / (sum(plain) / cp) == ((cp - 1) * m * m + m * (m + 1) / 2) / (
+        m * (t + 1) / 2
+    )
+
+
+class FakeComm:  # refusals talk to nobody
+    def __init__(self, world_size: int, rank: int = 0):
+        self.world_size, self.rank = world_size, rank
+
+
+@pytest.mark.pure
+def test_bad_input_is_refused_with_the_numbers():
+    cpm = impl("context_parallel")
+    c, z = FakeComm(4), torch.zeros(1, 2, 5, 3)
+    refused = {
+        r"sequence length T=10 is not divisible by cp=4": lambda: cpm.shard_sequence(
+            torch.zeros(1, 1, 10, 2), c, "plain"
+        ),
+        r"T=12 is not divisible by 2\*cp=8 \(zigzag": lambda: cpm.shard_sequence(
+            torch.zeros(1, 1, 12, 2), c
+        ),
+        r"hold 5 tokens per rank: sequence length T=20 is not divisible by 2\*cp=8": lambda: (
+            cpm.ring_attention(z, z, z, c)
+        ),
+        r"must share one \(B, H, T/cp, d\) shape, got \[\(1, 2, 5, 3\), \(1, 2, 4, 3\)": lambda: (
+            cpm.ring_attention(z, z[:, :, :4], z, c)
+        ),
+        r"layout='ring' is not one of": lambda: cpm.chunks_of(4, 0, "ring"),
+    }
+    for message, call in refused.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+# ---- bytes, saved tensors and measured work per rank ----------------------------------------
+
+B, H, D, M = 2, 3, 4, 2  # batch, heads, head dim, tokens per chunk
+
+
+def measured(comm, layout: str) -> dict:
+    """Bytes sent forward and backward, messages' peers, saved bytes and work, on one rank."""
+    cpm = impl("context_parallel")
+    counter, saved, stats = Counter(), {}, {}
+    c = ObservedComm(comm, counter)
+    n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
+    gen = torch.Generator().manual_seed(comm.rank)
+    q, k, v = (leaf(torch.randn(B, H, n, D, generator=gen, dtype=F64)) for _ in range(3))
+
+    def pack(t):  # every tensor autograd saves for backward, by storage
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = cpm.ring_attention(q, k, v, c, layout, stats)
+    forward = counter.summary()
+    counter.reset()
+    y.sum().backward()
+    return {"forward": forward, "backward": counter.summary(), "saved": sum(saved.values()),
+            "pairs": stats["pairs"], "n": B * H * n * D}  # fmt: skip
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_bytes_saved_tensors_and_work_match_the_formulas(cp, layout):
+    cpm = impl("context_parallel")
+    for r, got in enumerate(run_threads(measured, cp, layout, **FAST)):
+        n, b, nxt = got["n"], 8, (r + 1) % cp
+        fwd, bwd = got["forward"], got["backward"]
+        assert fwd["sent_to"] == ({nxt: 2 * (cp - 1) * n * b} if cp > 1 else {}), (r, fwd)
+        assert fwd["calls"].get("send", 0) == cp - 1, (r, fwd)
+        want = {nxt: 2 * (2 * cp - 1) * n * b} if cp > 1 else {}
+        assert bwd["sent_to"] == want, (r, bwd)
+        assert bwd["calls"].get("send", 0) == (2 * cp - 1 if cp > 1 else 0), (r, bwd)
+        assert set(fwd["received_from"]) | set(bwd["received_from"]) <= {(r - 1) % cp}
+        t = n // D // B // H * cp  # the whole sequence
+        assert got["saved"] == (4 * D + 1) * B * H * (t // cp) * b, (r, got["saved"])
+        assert got["pairs"] == 2 * cpm.causal_pairs(t, cp, r, layout), (r, got["pairs"])
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("cp", [2, 4])
+def test_saved_activations_fall_as_one_over_cp(cp):
+    """The same sequence (T = 2 cp M tokens) on one rank and on cp ranks: 1/cp of the bytes."""
+    alone = run_threads(measured_whole, 1, 2 * cp * M, **FAST)[0]
+    split = run_threads(measured_whole, cp, 2 * cp * M, **FAST)
+    assert all(s * cp == alone for s in split), (alone, split)
+
+
+def measured_whole(comm, t: int) -> int:
+    cpm = impl("context_parallel")
+    n = t // comm.world_size
+    q, k, v = (leaf(torch.ones(B, H, n, D, dtype=F64)) for _ in range(3))
+    saved = {}
+
+    def pack(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        y = cpm.ring_attention(q, k, v, comm)
+    y.sum().backward()
+    return sum(saved.values())
+
+
+# ---- processes: the same properties over real mpi and gloo processes ------------------------
+
+
+def properties_in_ranks(comm, max_examples: int) -> int:
+    return in_subworlds(comm, ring_matches, ring_cases, max_examples)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_ring_attention_processes(backend):
+    assert run_ranks(properties_in_ranks, 4, backend, 8, timeout=180) == [8] * 4
