@@ -182,8 +182,8 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q)  # (B, H, T/cp, d)
         lse = torch.full(q.shape[:3], -math.inf, dtype=q.dtype, device=q.device)  # (B, H, T/cp)
         kv = torch.stack([k, v])  # (2, B, H, T/cp, d): one message per step
+        # lab 15.2 begin: each step of plan: pass kv on (not after the last), merge the pairs, wait
         for step, pairs in enumerate(plan):
-            # lab 15.2 begin: send kv on (unless last step), compute and merge the pairs, wait
             if step < cp - 1:  # started first: the transfer overlaps this step's compute
                 kv_next, works = pass_on(kv, comm, KV_TAG)
             started = time.perf_counter()
@@ -197,7 +197,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 wait_all(works)
                 kv = kv_next
-            # lab 15.2 end
+        # lab 15.2 end
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.plan, ctx.m, ctx.scale, ctx.stats = comm, plan, m, scale, stats
         return out

@@ -94,4 +94,11 @@ LABS = {
         "grade": ["tests/test_cluster.py", "tests/test_simulate.py", "-m", "pure or threads"],
         "probe": ["tests/test_cluster.py", "-m", "pure"],
     },
+    "15": {
+        "folder": "lessons/15_context_parallel",
+        "module": "minidist/context_parallel.py",
+        "impl": "context_parallel",
+        "grade": ["tests/test_context_parallel.py", "-m", "not processes"],
+        "probe": ["tests/test_context_parallel.py", "-k", "bytes_saved_tensors_and_work"],
+    },
 }
