@@ -3,13 +3,15 @@ values travel around a ring while each rank merges its queries' attention block 
 
 Equals: causal softmax attention over the whole sequence in one process, softmax(q k^T / sqrt(d)
 + mask) v with the (T, T) scores materialized: the output and the gradients of q, k and v, on
-each rank its own tokens. float64: 1e-12 relative (the log-sum-exp merge adds the blocks'
-exponentials in another order than one softmax); at cp = 1 no message is sent.
+each rank its own tokens; ContextParallelSelfAttention: also its weights' gradients, summed
+over cp. float64: 1e-12 relative (the log-sum-exp merge adds the blocks' exponentials in
+another order than one softmax); at cp = 1 no message is sent.
 Communication per attention call, per rank (cp ranks on cp_comm, n = B*H*(T/cp)*d elements in
 each of this rank's q, k, v; b bytes each), point to point, to the next rank on the ring only:
   forward   cp-1 messages of k|v (2n elements):               2 (cp-1) n b
   backward  cp-1 of k|v again, cp of dk|dv (2n elements each): 2 (2cp-1) n b   (none at cp = 1)
   Every k|v message is started before the block before it is computed, so the two overlap.
+  ContextParallelSelfAttention: + one all-reduce of its 4D^2 + 4D weight gradients (sum_gradients).
 Memory per rank: saved for backward q, k, v, out (B, H, T/cp, d) and the log-sum-exp (B, H, T/cp):
 (4d + 1) B H T/cp elements, 1/cp of the same algorithm in one process (the (T, T) scores are never
 kept); while running, two k|v blocks (the one in use, the one arriving: 4n elements) and the
@@ -22,7 +24,8 @@ one m^2 pairs, against itself m(m+1)/2):
 Ladder: merge (two partial attentions of the same queries, by their log-sum-exps) -> ring_plan
 (which chunk pairs each step computes: data) -> RingAttention.forward (k|v around the ring, an
 online softmax) -> RingAttention.backward (k|v around again, dk|dv travelling with them) -> the
-zigzag layout (the causal mask's work spread evenly).
+zigzag layout (the causal mask's work spread evenly) -> ContextParallelSelfAttention (the
+projections, weights replicated over cp, their gradients summed).
 Paper: Liu, Zaharia and Abbeel, Ring Attention with Blockwise Transformers for Near-Infinite
 Context (2023), section 3; Dao, FlashAttention-2 (2023), algorithms 1 and 2 (the online softmax,
 and the backward recomputing the probabilities from the log-sum-exp); Llama Team, The Llama 3
@@ -42,6 +45,7 @@ import math
 import time
 
 import torch
+from torch import nn
 
 LAYOUTS = ("plain", "zigzag")
 KV_TAG, GRAD_TAG = 0, 1  # both kinds of message come from the previous rank: tags tell them apart
@@ -275,3 +279,43 @@ def ring_attention(q, k, v, cp_comm, layout: str = "zigzag", stats: dict | None 
         raise ValueError(f"q, k, v hold {n} tokens per rank: {e}") from None
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_comm, layout,
                                stats)  # fmt: skip
+
+
+# ---- a layer: projections around the ring ------------------------------------------------------
+
+
+class ContextParallelSelfAttention(nn.Module):
+    """Multi-head causal self-attention on this rank's tokens, x_local (B, T/cp, D) ->
+    (B, T/cp, D): the q|k|v projection, ring_attention over cp_comm, the output projection.
+
+    The weights are whole on every rank, which applies them to its own tokens only: after
+    backward, sum_gradients(layer, cp_comm) adds every rank's part (one all-reduce of each
+    gradient over cp, as data parallelism does over dp). Weights drawn as nn.Linear draws them,
+    U(-1/sqrt(D), 1/sqrt(D)), from torch.Generator(seed): the same on every rank."""
+
+    def __init__(self, d_model: int, n_heads: int, cp_comm, layout: str = "zigzag",
+                 seed: int = 0, dtype=None):  # fmt: skip
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads, self.cp_comm, self.layout = n_heads, cp_comm, layout
+        self.qkv = nn.Linear(d_model, 3 * d_model, dtype=dtype)
+        self.proj = nn.Linear(d_model, d_model, dtype=dtype)
+        gen, bound = torch.Generator().manual_seed(seed), 1.0 / math.sqrt(d_model)
+        with torch.no_grad():  # not the global generator: thread-ranks would race for it
+            for t in (self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias):
+                t.uniform_(-bound, bound, generator=gen)
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        b, n, d = x_local.shape
+        qkv = self.qkv(x_local).view(b, n, 3, self.n_heads, d // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, H, T/cp, D/H)
+        y = ring_attention(q, k, v, self.cp_comm, self.layout)  # (B, H, T/cp, D/H)
+        return self.proj(y.transpose(1, 2).reshape(b, n, d))  # (B, T/cp, D)
+
+
+def sum_gradients(module: nn.Module, cp_comm) -> None:
+    """Sum each parameter's gradient over cp_comm, in place (each rank saw its tokens only)."""
+    for param in module.parameters():
+        if param.grad is not None:
+            cp_comm.all_reduce(param.grad, "sum")

@@ -104,6 +104,41 @@ def test_ring_attention_threads(cp, case):
     run_threads(ring_matches, cp, case, **FAST)
 
 
+def layer_matches(comm, case: dict) -> None:
+    """ContextParallelSelfAttention (+ sum_gradients) vs the same projections and attention on
+    the whole sequence: the output, dL/dx and every weight's gradient."""
+    cp_module = impl("context_parallel")
+    cp, r, layout, h = comm.world_size, comm.rank, case["layout"], case["h"]
+    t, d = case["m"] * (2 * cp if layout == "zigzag" else cp), h * case["d"]
+    layer = cp_module.ContextParallelSelfAttention(d, h, comm, layout, case["seed"], dtype=F64)
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    x, grad = (torch.randn(case["b"], t, d, generator=gen, dtype=F64) for _ in range(2))
+    weights = {name: leaf(w) for name, w in layer.named_parameters()}
+    x_ref = leaf(x)
+    qkv = F.linear(x_ref, weights["qkv.weight"], weights["qkv.bias"])  # (B, T, 3D)
+    q, k, v = qkv.view(case["b"], t, 3, h, case["d"]).permute(2, 0, 3, 1, 4)  # (B, H, T, d)
+    heads = causal_attention(q, k, v).transpose(1, 2).reshape(case["b"], t, d)
+    y_ref = F.linear(heads, weights["proj.weight"], weights["proj.bias"])
+    y_ref.backward(grad)
+    mine = positions(t, cp, r, layout)
+    cut = lambda z: z.index_select(1, mine)  # noqa: E731
+    x_local = leaf(cut(x))
+    y = layer(x_local)
+    y.backward(cut(grad))
+    cp_module.sum_gradients(layer, comm)
+    pairs = {"y": (y, cut(y_ref)), "dL/dx": (x_local.grad, cut(x_ref.grad))}
+    for name, w in layer.named_parameters():
+        pairs[f"dL/d{name}"] = (w.grad, weights[name].grad)
+    check_all(comm, pairs, RTOL, ATOL, context=str(case))
+
+
+@pytest.mark.threads
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 4), ring_cases)
+def test_layer_and_its_weight_gradients_threads(cp, case):
+    run_threads(layer_matches, cp, case, **FAST)
+
+
 # ---- the plan, the causal work, refusals -----------------------------------------------------
 
 
@@ -164,6 +199,9 @@ def test_bad_input_is_refused_with_the_numbers():
             cpm.ring_attention(z, z[:, :, :4], z, c)
         ),
         r"layout='ring' is not one of": lambda: cpm.chunks_of(4, 0, "ring"),
+        r"d_model=10 is not divisible by n_heads=4": lambda: cpm.ContextParallelSelfAttention(
+            10, 4, c
+        ),
     }
     for message, call in refused.items():
         with pytest.raises(ValueError, match=message):
@@ -241,11 +279,33 @@ def measured_whole(comm, t: int) -> int:
     return sum(saved.values())
 
 
+def layer_all_reduce(comm) -> dict:
+    cpm = impl("context_parallel")
+    counter = Counter()
+    c = ObservedComm(comm, counter)
+    layer = cpm.ContextParallelSelfAttention(H * D, H, c, dtype=F64)
+    layer(leaf(torch.ones(B, 2 * M, H * D, dtype=F64))).sum().backward()
+    counter.reset()
+    cpm.sum_gradients(layer, c)
+    return counter.summary()
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("cp", [1, 3])
+def test_the_layer_sums_its_weight_gradients_in_one_all_reduce_each(cp):
+    width = H * D
+    for got in run_threads(layer_all_reduce, cp, **FAST):
+        assert got["calls"] == {"all_reduce": 4}, got  # qkv and proj, weight and bias
+        assert got["nbytes"] == {"all_reduce": (4 * width * width + 4 * width) * 8}, got
+
+
 # ---- processes: the same properties over real mpi and gloo processes ------------------------
 
 
 def properties_in_ranks(comm, max_examples: int) -> int:
-    return in_subworlds(comm, ring_matches, ring_cases, max_examples)
+    cases = st.tuples(st.booleans(), ring_cases)  # (the layer?, the case)
+    check = lambda sub, c: (layer_matches if c[0] else ring_matches)(sub, c[1])  # noqa: E731
+    return in_subworlds(comm, check, cases, max_examples)
 
 
 @pytest.mark.processes
