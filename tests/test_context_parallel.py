@@ -208,6 +208,18 @@ def test_bad_input_is_refused_with_the_numbers():
             call()
 
 
+def mixed_layouts(comm) -> None:
+    cpm = impl("context_parallel")
+    x = torch.ones(1, 1, 2, 2, dtype=F64)
+    cpm.ring_attention(x, x, x, comm, "plain" if comm.rank == 0 else "zigzag")
+
+
+@pytest.mark.threads
+def test_ranks_with_different_layouts_fail_naming_the_message_never_wrong_numbers():
+    with pytest.raises(AssertionError, match=r"recv\(tag=[02]\).* timed out after 2s"):
+        run_threads(mixed_layouts, 2, timeout=10, comm_timeout=2)
+
+
 # ---- bytes, saved tensors and measured work per rank ----------------------------------------
 
 B, H, D, M = 2, 3, 4, 2  # batch, heads, head dim, tokens per chunk

@@ -43,7 +43,9 @@ Usage (q, k, v: this rank's tokens, as shard_sequence cuts them from the whole s
 
     out = ring_attention(q, k, v, cp_comm, layout="zigzag")    # (B, H, T/cp, d)
 
-Every rank of cp_comm must call it with the same shapes and layout (messages match by order).
+Every rank of cp_comm must call it with the same shapes and layout (messages match by order):
+a block of another size is a CommError naming both sides, another layout a CommTimeout naming
+the tag.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ import torch
 from torch import nn
 
 LAYOUTS = ("plain", "zigzag")
-KV_TAG, GRAD_TAG = 0, 1  # both kinds of message come from the previous rank: tags tell them apart
+# (k|v, dk|dv) message tags. Both kinds come from the previous rank: tags tell them apart. A
+# rank called with another layout than its neighbours waits on other tags and times out naming
+# them, instead of merging blocks it misreads.
+TAGS = {"plain": (0, 1), "zigzag": (2, 3)}
 
 
 # ---- the layout and the plan: pure data ---------------------------------------------------------
@@ -187,7 +192,7 @@ class RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)  # (B, H, T/cp, d)
         lse = torch.full(q.shape[:3], -math.inf, dtype=q.dtype, device=q.device)  # (B, H, T/cp)
-        kv = torch.stack([k, v])  # (2, B, H, T/cp, d): one message per step
+        kv, kv_tag = torch.stack([k, v]), TAGS[layout][0]  # (2, B, H, T/cp, d): one message a step
         # lab 15.2 begin: each step of plan: pass kv on (not after the last), merge the pairs, wait
         raise NotImplementedError(
             "Lab 15.2: each step of plan: pass kv on (not after the last), merge the pairs, wait"
@@ -195,6 +200,7 @@ class RingAttention(torch.autograd.Function):
         # lab 15.2 end
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.plan, ctx.m, ctx.scale, ctx.stats = comm, plan, m, scale, stats
+        ctx.tags = TAGS[layout]
         return out
 
     @staticmethod
@@ -208,7 +214,7 @@ class RingAttention(torch.autograd.Function):
         grad_in, grad_works = None, []
         for step, pairs in enumerate(ctx.plan):
             if step < cp - 1:
-                kv_next, works = pass_on(kv, comm, KV_TAG)
+                kv_next, works = pass_on(kv, comm, ctx.tags[0])
             started = time.perf_counter()
             grad_kv = _step_grads(ctx, pairs, q, kv, grad_out, lse, delta, grad_q)
             _record(ctx.stats, pairs, ctx.m, started)
@@ -216,7 +222,7 @@ class RingAttention(torch.autograd.Function):
                 wait_all(grad_works)
                 grad_kv += grad_in
             if cp > 1:  # on to the block's next holder; after the last step, home
-                grad_in, grad_works = pass_on(grad_kv, comm, GRAD_TAG)
+                grad_in, grad_works = pass_on(grad_kv, comm, ctx.tags[1])
             if step < cp - 1:
                 wait_all(works)
                 kv = kv_next
