@@ -9,11 +9,14 @@ with check_all. The module comes from impl("context_parallel") inside the rank f
 `make lab L=15` grades a learner's lab.
 Tolerance: float64, rtol 1e-12 with atol 1e-13: the log-sum-exp merge adds the blocks'
 exponentials in another order than one softmax, and gradients that cancel to near zero keep the
-absolute rounding of their O(1) terms (about 1e-16 each).
+absolute rounding of their O(1) terms (about 1e-16 each). With q scaled by s = 1000 (exp() of
+a raw score would overflow): atol 1e-13 s, and 1e-13 s^2 for dL/dk = dS^T q (a score's rounding,
+eps s, times |q|, up to s).
 Bytes sent per rank (counted with ObservedComm), the tensors saved for backward (measured by the
 saved-tensor hooks) and the causal work per rank are checked against the docstring's formulas.
 Tiers: pure (the plan, the work formulas, refusals), threads (cp 1..6, hypothesis), processes
-(4 mpi or gloo processes started once per test, cp 1..4 by splitting).
+(4 mpi or gloo processes started once per test, cp 1..4 by splitting), gpu (CUDA tensors on
+threads; skipped without a GPU).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d) + causal mask) v, one process: (B, H, T, d) -> (B, H, T, d)."""
     t = q.shape[2]
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return torch.softmax(s, -1) @ v
 
 
@@ -60,18 +63,20 @@ def leaf(t):
 
 def ring_matches(comm, case: dict) -> None:
     """ring_attention vs causal_attention: the output and the gradients of q, k, v, this rank's
-    tokens; q, k, v handed over non-contiguous."""
+    tokens; q, k, v handed over non-contiguous. q x 1000: exp() of a score overflows float64
+    unless every exponent is taken relative to a log-sum-exp."""
     cp_module = impl("context_parallel")
     cp, r, layout = comm.world_size, comm.rank, case["layout"]
     chunks = 2 * cp if layout == "zigzag" else cp
-    t = case["m"] * chunks
+    t, dev = case["m"] * chunks, torch.device(case.get("device", "cpu"))
     gen = torch.Generator().manual_seed(case["seed"])
     shape = (case["b"], case["h"], t, case["d"])
-    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=F64) for _ in range(4))
+    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=F64).to(dev) for _ in range(4))
+    q = q * case["scale"]
     full = [leaf(x) for x in (q, k, v)]
     y_ref = causal_attention(*full)
     y_ref.backward(grad)
-    mine = positions(t, cp, r, layout)
+    mine = positions(t, cp, r, layout).to(dev)
     cut = lambda x: x.index_select(2, mine)  # noqa: E731
     local = [leaf(cut(x).transpose(1, 2).contiguous().transpose(1, 2)) for x in (q, k, v)]
     y = cp_module.ring_attention(*local, comm, layout)
@@ -82,7 +87,12 @@ def ring_matches(comm, case: dict) -> None:
     if r == 0:  # the reference itself, once: torch's own causal attention
         sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         pairs["reference vs sdpa"] = (y_ref.detach(), sdpa)
-    check_all(comm, pairs, RTOL, ATOL, context=str(case))
+    pairs["y on the inputs' device"] = (torch.tensor(y.device.type == dev.type), torch.tensor(True))
+    # q x s: a score carries the rounding of eps x |score|, about eps x s, and dL/dk = dS^T q
+    # multiplies it by |q|, up to s: atol s^2 there, s elsewhere
+    dk = {"dL/dk": pairs.pop("dL/dk")}
+    check_all(comm, pairs, RTOL, ATOL * case["scale"], context=str(case))
+    check_all(comm, dk, RTOL, ATOL * case["scale"] ** 2, context=str(case))
 
 
 ring_cases = st.fixed_dictionaries(
@@ -92,6 +102,7 @@ ring_cases = st.fixed_dictionaries(
         "b": st.integers(1, 3),
         "h": st.integers(1, 3),
         "d": st.sampled_from([1, 2, 5]),
+        "scale": st.sampled_from([1.0, 1000.0]),  # of q: 1000 overflows exp() without the lse
         "seed": st.integers(0, 10**6),
     }
 )
@@ -324,3 +335,14 @@ def properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_ring_attention_processes(backend):
     assert run_ranks(properties_in_ranks, 4, backend, 8, timeout=180) == [8] * 4
+
+
+# ---- gpu: the threads tier with CUDA tensors ---------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+def test_cuda_tensors_on_threads(layout):
+    case = {"layout": layout, "m": 3, "b": 2, "h": 2, "d": 4, "scale": 1.0, "seed": 5}
+    run_threads(ring_matches, 3, dict(case, device="cuda"), **FAST)
