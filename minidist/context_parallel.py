@@ -109,7 +109,7 @@ def causal_pairs(t: int, cp: int, rank: int, layout: str) -> int:
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> torch.Tensor:
-    """q k^T * scale, the future masked to -inf on a diagonal block: (B, H, m, d) -> (B, H, m, m)"""
+    """q k^T * scale, on a diagonal block the future at -inf: (B, H, m, d) -> (B, H, m, m)."""
     s = q @ k.transpose(-2, -1) * scale  # (B, H, m, m)
     if diagonal:  # query i of the chunk sees keys 0..i of the same chunk
         future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
@@ -165,6 +165,7 @@ def pass_on(t: torch.Tensor, comm, tag: int) -> tuple[torch.Tensor, list]:
 
 
 def wait_all(works: list) -> None:
+    """Wait for every handle (a receive's buffer is filled when its wait returns)."""
     for work in works:
         work.wait()
 
