@@ -112,4 +112,11 @@ LABS = {
         "grade": ["tests/test_expert_parallel.py", "-m", "not processes"],
         "probe": ["tests/test_expert_parallel.py", "-k", "keep_mask or switch_aux or dp_x_ep"],
     },
+    "15": {
+        "folder": "lessons/15_context_parallel",
+        "module": "minidist/context_parallel.py",
+        "impl": "context_parallel",
+        "grade": ["tests/test_context_parallel.py", "-m", "not processes"],
+        "probe": ["tests/test_context_parallel.py", "-k", "bytes_saved_tensors_and_work"],
+    },
 }

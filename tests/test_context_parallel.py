@@ -1,0 +1,348 @@
+"""Context parallelism (ring attention) equals causal attention over the whole sequence in one
+process, on every rank.
+
+Recipe: every rank builds q, k, v and the upstream gradient of the whole sequence from one seed,
+runs plain causal attention (the (T, T) scores materialized, torch.softmax, autograd; checked
+once against F.scaled_dot_product_attention), cuts this rank's tokens *here* from the layout's
+positions (chunk r; or chunks r and 2cp-1-r), and compares the output and dL/dq, dL/dk, dL/dv
+with check_all. The module comes from impl("context_parallel") inside the rank functions, so
+`make lab L=15` grades a learner's lab.
+Tolerance: float64, rtol 1e-12 with atol 1e-13: the log-sum-exp merge adds the blocks'
+exponentials in another order than one softmax, and gradients that cancel to near zero keep the
+absolute rounding of their O(1) terms (about 1e-16 each). With q scaled by s = 1000 (exp() of
+a raw score would overflow): atol 1e-13 s, and 1e-13 s^2 for dL/dk = dS^T q (a score's rounding,
+eps s, times |q|, up to s).
+Bytes sent per rank (counted with ObservedComm), the tensors saved for backward (measured by the
+saved-tensor hooks) and the causal work per rank are checked against the docstring's formulas.
+Tiers: pure (the plan, the work formulas, refusals), threads (cp 1..6, hypothesis), processes
+(4 mpi or gloo processes started once per test, cp 1..4 by splitting), gpu (CUDA tensors on
+threads; skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
+
+RTOL, ATOL = 1e-12, 1e-13  # float64: see the module docstring
+FAST = {"timeout": 30, "comm_timeout": 8}  # a message waiting 8 s here is a deadlock
+F64 = torch.float64
+
+
+def positions(t: int, cp: int, rank: int, layout: str) -> torch.Tensor:
+    """The global positions of rank's tokens, written out here from the layout's definition."""
+    if layout == "plain":
+        m = t // cp
+        return torch.arange(rank * m, (rank + 1) * m)
+    m = t // (2 * cp)
+    late = 2 * cp - 1 - rank
+    return torch.cat(
+        [torch.arange(rank * m, (rank + 1) * m), torch.arange(late * m, (late + 1) * m)]
+    )
+
+
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d) + causal mask) v, one process: (B, H, T, d) -> (B, H, T, d)."""
+    t = q.shape[2]
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def ring_matches(comm, case: dict) -> None:
+    """ring_attention vs causal_attention: the output and the gradients of q, k, v, this rank's
+    tokens; q, k, v handed over non-contiguous. q x 1000: exp() of a score overflows float64
+    unless every exponent is taken relative to a log-sum-exp."""
+    cp_module = impl("context_parallel")
+    cp, r, layout = comm.world_size, comm.rank, case["layout"]
+    chunks = 2 * cp if layout == "zigzag" else cp
+    t, dev = case["m"] * chunks, torch.device(case.get("device", "cpu"))
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape = (case["b"], case["h"], t, case["d"])
+    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=F64).to(dev) for _ in range(4))
+    q = q * case["scale"]
+    full = [leaf(x) for x in (q, k, v)]
+    y_ref = causal_attention(*full)
+    y_ref.backward(grad)
+    mine = positions(t, cp, r, layout).to(dev)
+    cut = lambda x: x.index_select(2, mine)  # noqa: E731
+    local = [leaf(cut(x).transpose(1, 2).contiguous().transpose(1, 2)) for x in (q, k, v)]
+    y = cp_module.ring_attention(*local, comm, layout)
+    y.backward(cut(grad))
+    pairs = {"y": (y, cut(y_ref))}
+    for name, got, want in zip(("q", "k", "v"), local, full, strict=True):
+        pairs[f"dL/d{name}"] = (got.grad, cut(want.grad))
+    if r == 0:  # the reference itself, once: torch's own causal attention
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        pairs["reference vs sdpa"] = (y_ref.detach(), sdpa)
+    pairs["y on the inputs' device"] = (torch.tensor(y.device.type == dev.type), torch.tensor(True))
+    # q x s: a score carries the rounding of eps x |score|, about eps x s, and dL/dk = dS^T q
+    # multiplies it by |q|, up to s: atol s^2 there, s elsewhere
+    dk = {"dL/dk": pairs.pop("dL/dk")}
+    check_all(comm, pairs, RTOL, ATOL * case["scale"], context=str(case))
+    check_all(comm, dk, RTOL, ATOL * case["scale"] ** 2, context=str(case))
+
+
+ring_cases = st.fixed_dictionaries(
+    {
+        "layout": st.sampled_from(["plain", "zigzag"]),
+        "m": st.integers(1, 4),  # tokens per chunk
+        "b": st.integers(1, 3),
+        "h": st.integers(1, 3),
+        "d": st.sampled_from([1, 2, 5]),
+        "scale": st.sampled_from([1.0, 1000.0]),  # of q: 1000 overflows exp() without the lse
+        "seed": st.integers(0, 10**6),
+    }
+)
+
+
+@pytest.mark.threads
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), ring_cases)
+def test_ring_attention_threads(cp, case):
+    run_threads(ring_matches, cp, case, **FAST)
+
+
+def layer_matches(comm, case: dict) -> None:
+    """ContextParallelSelfAttention (+ sum_gradients) vs the same projections and attention on
+    the whole sequence: the output, dL/dx and every weight's gradient."""
+    cp_module = impl("context_parallel")
+    cp, r, layout, h = comm.world_size, comm.rank, case["layout"], case["h"]
+    t, d = case["m"] * (2 * cp if layout == "zigzag" else cp), h * case["d"]
+    layer = cp_module.ContextParallelSelfAttention(d, h, comm, layout, case["seed"], dtype=F64)
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    x, grad = (torch.randn(case["b"], t, d, generator=gen, dtype=F64) for _ in range(2))
+    weights = {name: leaf(w) for name, w in layer.named_parameters()}
+    x_ref = leaf(x)
+    qkv = F.linear(x_ref, weights["qkv.weight"], weights["qkv.bias"])  # (B, T, 3D)
+    q, k, v = qkv.view(case["b"], t, 3, h, case["d"]).permute(2, 0, 3, 1, 4)  # (B, H, T, d)
+    heads = causal_attention(q, k, v).transpose(1, 2).reshape(case["b"], t, d)
+    y_ref = F.linear(heads, weights["proj.weight"], weights["proj.bias"])
+    y_ref.backward(grad)
+    mine = positions(t, cp, r, layout)
+    cut = lambda z: z.index_select(1, mine)  # noqa: E731
+    x_local = leaf(cut(x))
+    y = layer(x_local)
+    y.backward(cut(grad))
+    cp_module.sum_gradients(layer, comm)
+    pairs = {"y": (y, cut(y_ref)), "dL/dx": (x_local.grad, cut(x_ref.grad))}
+    for name, w in layer.named_parameters():
+        pairs[f"dL/d{name}"] = (w.grad, weights[name].grad)
+    check_all(comm, pairs, RTOL, ATOL, context=str(case))
+
+
+@pytest.mark.threads
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 4), ring_cases)
+def test_layer_and_its_weight_gradients_threads(cp, case):
+    run_threads(layer_matches, cp, case, **FAST)
+
+
+# ---- the plan, the causal work, refusals -----------------------------------------------------
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 7])
+def test_the_plan_computes_every_causal_pair_once(cp, layout):
+    """Over all ranks and steps, each (query chunk, key chunk) with query >= key, exactly once."""
+    cpm = impl("context_parallel")
+    seen = []
+    for rank in range(cp):
+        mine = cpm.chunks_of(cp, rank, layout)
+        for step, pairs in enumerate(cpm.ring_plan(cp, rank, layout)):
+            theirs = cpm.chunks_of(cp, (rank - step) % cp, layout)
+            seen += [(mine[a], theirs[b], diagonal) for a, b, diagonal in pairs]
+    c = 2 * cp if layout == "zigzag" else cp
+    want = [(i, j, i == j) for i in range(c) for j in range(i + 1)]
+    assert sorted(seen) == sorted(want)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_causal_work_per_rank_matches_the_docstring(cp, m):
+    cpm = impl("context_parallel")
+    plain = [cpm.causal_pairs(cp * m, cp, r, "plain") for r in range(cp)]
+    assert plain == [r * m * m + m * (m + 1) // 2 for r in range(cp)]
+    t = 2 * cp * m
+    zigzag = [cpm.causal_pairs(t, cp, r, "zigzag") for r in range(cp)]
+    assert zigzag == [(2 * cp - 1) * m * m + m * (m + 1)] * cp
+    assert sum(zigzag) == t * (t + 1) // 2  # the causal mask's pairs, split evenly
+    t = cp * m
+    assert max(plain) / (sum(plain) / cp) == ((cp - 1) * m * m + m * (m + 1) / 2) / (
+        m * (t + 1) / 2
+    )
+
+
+class FakeComm:  # refusals talk to nobody
+    def __init__(self, world_size: int, rank: int = 0):
+        self.world_size, self.rank = world_size, rank
+
+
+@pytest.mark.pure
+def test_bad_input_is_refused_with_the_numbers():
+    cpm = impl("context_parallel")
+    c, z = FakeComm(4), torch.zeros(1, 2, 5, 3)
+    refused = {
+        r"sequence length T=10 is not divisible by cp=4": lambda: cpm.shard_sequence(
+            torch.zeros(1, 1, 10, 2), c, "plain"
+        ),
+        r"T=12 is not divisible by 2\*cp=8 \(zigzag": lambda: cpm.shard_sequence(
+            torch.zeros(1, 1, 12, 2), c
+        ),
+        r"hold 5 tokens per rank: sequence length T=20 is not divisible by 2\*cp=8": lambda: (
+            cpm.ring_attention(z, z, z, c)
+        ),
+        r"must share one \(B, H, T/cp, d\) shape, got \[\(1, 2, 5, 3\), \(1, 2, 4, 3\)": lambda: (
+            cpm.ring_attention(z, z[:, :, :4], z, c)
+        ),
+        r"layout='ring' is not one of": lambda: cpm.chunks_of(4, 0, "ring"),
+        r"d_model=10 is not divisible by n_heads=4": lambda: cpm.ContextParallelSelfAttention(
+            10, 4, c
+        ),
+    }
+    for message, call in refused.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def mixed_layouts(comm) -> None:
+    cpm = impl("context_parallel")
+    x = torch.ones(1, 1, 2, 2, dtype=F64)
+    cpm.ring_attention(x, x, x, comm, "plain" if comm.rank == 0 else "zigzag")
+
+
+@pytest.mark.threads
+def test_ranks_with_different_layouts_fail_naming_the_message_never_wrong_numbers():
+    with pytest.raises(AssertionError, match=r"recv\(tag=[02]\).* timed out after 2s"):
+        run_threads(mixed_layouts, 2, timeout=10, comm_timeout=2)
+
+
+# ---- bytes, saved tensors and measured work per rank ----------------------------------------
+
+B, H, D, M = 2, 3, 4, 2  # batch, heads, head dim, tokens per chunk
+
+
+def measured(comm, layout: str) -> dict:
+    """Bytes sent forward and backward, messages' peers, saved bytes and work, on one rank."""
+    cpm = impl("context_parallel")
+    counter, saved, stats = Counter(), {}, {}
+    c = ObservedComm(comm, counter)
+    n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
+    gen = torch.Generator().manual_seed(comm.rank)
+    q, k, v = (leaf(torch.randn(B, H, n, D, generator=gen, dtype=F64)) for _ in range(3))
+
+    def pack(t):  # every tensor autograd saves for backward, by storage
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = cpm.ring_attention(q, k, v, c, layout, stats)
+    forward = counter.summary()
+    counter.reset()
+    y.sum().backward()
+    return {"forward": forward, "backward": counter.summary(), "saved": sum(saved.values()),
+            "pairs": stats["pairs"], "n": B * H * n * D}  # fmt: skip
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_bytes_saved_tensors_and_work_match_the_formulas(cp, layout):
+    cpm = impl("context_parallel")
+    for r, got in enumerate(run_threads(measured, cp, layout, **FAST)):
+        n, b, nxt = got["n"], 8, (r + 1) % cp
+        fwd, bwd = got["forward"], got["backward"]
+        assert fwd["sent_to"] == ({nxt: 2 * (cp - 1) * n * b} if cp > 1 else {}), (r, fwd)
+        assert fwd["calls"].get("send", 0) == cp - 1, (r, fwd)
+        want = {nxt: 2 * (2 * cp - 1) * n * b} if cp > 1 else {}
+        assert bwd["sent_to"] == want, (r, bwd)
+        assert bwd["calls"].get("send", 0) == (2 * cp - 1 if cp > 1 else 0), (r, bwd)
+        assert set(fwd["received_from"]) | set(bwd["received_from"]) <= {(r - 1) % cp}
+        t = n // D // B // H * cp  # the whole sequence
+        assert got["saved"] == (4 * D + 1) * B * H * (t // cp) * b, (r, got["saved"])
+        assert got["pairs"] == 2 * cpm.causal_pairs(t, cp, r, layout), (r, got["pairs"])
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("cp", [2, 4])
+def test_saved_activations_fall_as_one_over_cp(cp):
+    """The same sequence (T = 2 cp M tokens) on one rank and on cp ranks: 1/cp of the bytes."""
+    alone = run_threads(measured_whole, 1, 2 * cp * M, **FAST)[0]
+    split = run_threads(measured_whole, cp, 2 * cp * M, **FAST)
+    assert all(s * cp == alone for s in split), (alone, split)
+
+
+def measured_whole(comm, t: int) -> int:
+    cpm = impl("context_parallel")
+    n = t // comm.world_size
+    q, k, v = (leaf(torch.ones(B, H, n, D, dtype=F64)) for _ in range(3))
+    saved = {}
+
+    def pack(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        y = cpm.ring_attention(q, k, v, comm)
+    y.sum().backward()
+    return sum(saved.values())
+
+
+def layer_all_reduce(comm) -> dict:
+    cpm = impl("context_parallel")
+    counter = Counter()
+    c = ObservedComm(comm, counter)
+    layer = cpm.ContextParallelSelfAttention(H * D, H, c, dtype=F64)
+    layer(leaf(torch.ones(B, 2 * M, H * D, dtype=F64))).sum().backward()
+    counter.reset()
+    cpm.sum_gradients(layer, c)
+    return counter.summary()
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("cp", [1, 3])
+def test_the_layer_sums_its_weight_gradients_in_one_all_reduce_each(cp):
+    width = H * D
+    for got in run_threads(layer_all_reduce, cp, **FAST):
+        assert got["calls"] == {"all_reduce": 4}, got  # qkv and proj, weight and bias
+        assert got["nbytes"] == {"all_reduce": (4 * width * width + 4 * width) * 8}, got
+
+
+# ---- processes: the same properties over real mpi and gloo processes ------------------------
+
+
+def properties_in_ranks(comm, max_examples: int) -> int:
+    cases = st.tuples(st.booleans(), ring_cases)  # (the layer?, the case)
+    check = lambda sub, c: (layer_matches if c[0] else ring_matches)(sub, c[1])  # noqa: E731
+    return in_subworlds(comm, check, cases, max_examples)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_ring_attention_processes(backend):
+    assert run_ranks(properties_in_ranks, 4, backend, 8, timeout=180) == [8] * 4
+
+
+# ---- gpu: the threads tier with CUDA tensors ---------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+def test_cuda_tensors_on_threads(layout):
+    case = {"layout": layout, "m": 3, "b": 2, "h": 2, "d": 4, "scale": 1.0, "seed": 5}
+    run_threads(ring_matches, 3, dict(case, device="cuda"), **FAST)
