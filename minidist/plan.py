@@ -20,7 +20,9 @@ Time per step (the slowest stage):
                   over tp and pp
     pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
-                  recompute), on the node's links if tp <= g, else on the network
+                  recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
+                  stage and 1 for the output layer (backward) on the last (both if pp = 1),
+                  on the node's links if tp <= g, else on the network
     pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
@@ -178,8 +180,11 @@ def _over(cluster: Cluster, stride: int) -> Cluster:
     return replace(cluster, gpus_per_node=max(1, cluster.gpus_per_node // stride))
 
 
-def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Efficiency) -> dict:
-    """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer."""
+def step(
+    shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Efficiency, e: int = 2
+) -> dict:
+    """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
+    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32)."""
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
@@ -188,9 +193,10 @@ def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Effici
     t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
     slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
     net = replace(cluster, inter=slower)
-    act = 2 * s * x.b * h  # bytes of one activation tensor in bf16
+    act = e * s * x.b * h  # bytes of one activation tensor
     tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
-    t_tp = layers * (6 if x.recompute == "full" else 4) * tp_ar
+    ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
+    t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
     slot = t_mb + t_tp
     stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
     message = stage_link.latency + act / x.tp / stage_link.bandwidth
@@ -201,7 +207,7 @@ def step(shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Effici
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
     window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
     dp_group = _over(net, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
-    t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, 2 * psi_g) if x.dp > 1 else 0.0
+    t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, e * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
     return {
         "compute": m * t_mb,
@@ -285,8 +291,8 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
 # 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
 CALIBRATED = {
-    "A100": Efficiency(compute=0.554, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.738, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.555, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.741, network=0.630, overlap=1.0),
 }
 
 

@@ -6,11 +6,17 @@
     minidist plan ... --recompute full --no-sp --zero 1 --no-flash   # what your framework has
     minidist plan ... --json         # one object: every feasible layout's numbers
     minidist plan ... --png out/plan.png                     # the time breakdown, drawn
+    minidist bench p2p -n 2 --backend mpi --json > p2p.json
+    minidist plan --cluster this --calibration p2p.json --gpus 2 ...   # this machine, measured
 
 Prints the best layouts (plan.search) with the step time by part, tokens/s, MFU, memory per
 GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
 PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
 refused for which reason. Bad input is refused with one line per reason (exit 2).
+`--cluster this` is this computer, one rank per core: alpha and B fitted to `minidist bench
+p2p --json` (cluster.calibrated), a core's FLOP/s measured here on a float32 matmul, its memory
+the RAM's share; the efficiencies are 1 (the rates are measured ones) and nothing overlaps
+(minidist's main job syncs gradients after the pipeline step).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from minidist import cluster as clusters
 from minidist import plan
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
+MEASURED = plan.Efficiency(compute=1.0, network=1.0, overlap=0.0)  # --cluster this
 
 
 def add_parser(sub) -> None:
@@ -33,7 +40,12 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="gpt3-175b", help=f"one of {', '.join(plan.SHAPES)}")
     for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq-len"):
         p.add_argument(f"--{flag}", type=int, help="override the model's shape")
-    p.add_argument("--cluster", default="dgx-a100", help=f"one of {', '.join(clusters.PRESETS)}")
+    p.add_argument(
+        "--cluster", default="dgx-a100", help=f"one of {', '.join(clusters.PRESETS)}, this"
+    )
+    p.add_argument(
+        "--calibration", help="with --cluster this: `minidist bench p2p --json`'s output"
+    )
     p.add_argument("--gpus", type=int, default=64)
     p.add_argument("--batch", type=int, default=512, help="sequences per step, all GPUs")
     p.add_argument("--tokens", type=float, default=300e9, help="the run's token budget")
@@ -52,7 +64,11 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     found = []
     if args.model not in plan.SHAPES:
         found.append(f"unknown model {args.model!r}; known: {', '.join(plan.SHAPES)}")
-    if args.cluster not in clusters.PRESETS:
+    if args.cluster == "this" and not args.calibration:
+        found.append("--cluster this needs --calibration FILE (minidist bench p2p --json)")
+    elif args.calibration and not os.path.isfile(args.calibration):
+        found.append(f"--calibration {args.calibration}: no such file")
+    elif args.cluster not in clusters.PRESETS and args.cluster != "this":
         found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
     for flag in ("gpus", "batch", "top", "layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
         value = getattr(args, flag)
@@ -70,7 +86,51 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     shape = replace(shape, **{k: v for k, v in changes.items() if v is not None})
     if shape.hidden % shape.heads:
         found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
-    return shape, clusters.preset(args.cluster), found
+    if args.cluster != "this":
+        return shape, clusters.preset(args.cluster), found
+    try:
+        return shape, this_machine(args.calibration), found
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        return shape, None, [*found, f"--calibration {args.calibration}: {e}"]
+
+
+def matmul_flops(n: int = 256, repeats: int = 7) -> float:
+    """One core's float32 matmul rate (FLOP/s): the median of `repeats` timed n x n products."""
+    import time
+
+    import torch
+
+    a, b, times = torch.randn(n, n), torch.randn(n, n), []
+    with _one_thread(torch):
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+    return 2 * n**3 / sorted(times)[repeats // 2]
+
+
+class _one_thread:
+    """torch on one thread inside (a rank of this machine has one core)."""
+
+    def __init__(self, torch):
+        self.torch, self.before = torch, torch.get_num_threads()
+
+    def __enter__(self):
+        self.torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        self.torch.set_num_threads(self.before)
+
+
+def this_machine(path: str) -> clusters.Cluster:
+    """This computer from a `minidist bench p2p --json` file and a matmul measured now."""
+    with open(path) as f:
+        rows = json.loads(f.readline())["rows"]  # the object is one line; mpiexec may add more
+    cores = os.cpu_count() or 1
+    machine = clusters.this_machine(clusters.calibrated(rows), matmul_flops(), cores)
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    # the optimizer's memory traffic is not measured: left out (unbounded bandwidth)
+    return replace(machine, gpu=replace(machine.gpu, memory=ram / cores, memory_bw=float("inf")))
 
 
 def _allowed(args, layout: plan.Layout) -> bool:
@@ -89,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     allowed = lambda x: _allowed(args, x)  # noqa: E731
     flash = not args.no_flash
-    ok, refused = plan.search(shape, cluster, args.gpus, args.batch, flash=flash, allowed=allowed)
+    eff = MEASURED if args.cluster == "this" else None
+    ok, refused = plan.search(shape, cluster, args.gpus, args.batch, eff, flash, allowed)
     if not ok:
         _refuse_all(shape, cluster, args, refused)
         return 2

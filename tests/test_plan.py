@@ -164,3 +164,23 @@ def test_the_command_runs_as_minidist_plan():
 def test_cli_refuses_bad_input_with_the_numbers(args, line, capsys):
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and line in err, err
+
+
+@pytest.mark.pure
+def test_this_machine_from_a_bench_p2p_file(tmp_path, capsys):
+    # a link of 5 us and 2 GB/s, as `minidist bench p2p --json` would print it (mpiexec's own
+    # lines after the object are skipped)
+    rows = [{"nbytes": n, "time_us": 5 + n / 2e3} for n in (1024, 65536, 1 << 20)]
+    path = tmp_path / "p2p.json"
+    path.write_text(json.dumps({"bench": "p2p", "rows": rows}) + "\nmpiexec noise\n")
+    machine = plan_cli.this_machine(str(path))
+    assert machine.intra.latency == pytest.approx(5e-6, rel=1e-9)
+    assert machine.intra.bandwidth == pytest.approx(2e9, rel=1e-9)
+    assert machine.gpu.peak_flops > 1e6 and machine.gpu.memory > 0
+    toy = ["--layers", "4", "--hidden", "64", "--heads", "4", "--ffn", "256", "--vocab", "256"]
+    code, out, err = run_cli(capsys, "--cluster", "this", "--calibration", str(path), "--gpus",
+                             "2", "--batch", "16", "--seq-len", "64", "--json", *toy)  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["cluster"] == "this machine"
+    code, _, err = run_cli(capsys, "--cluster", "this")
+    assert code == 2 and "--cluster this needs --calibration FILE" in err, err
