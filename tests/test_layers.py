@@ -43,6 +43,7 @@ PACKAGES = {
 MODULES = {
     "minidist": "foundation",  # __init__: minidist.init, from launch
     "collectives": "foundation",
+    "hierarchical": "foundation",
     "mesh": "foundation",
     "memory": "foundation",
     "launch": "foundation",
@@ -63,6 +64,8 @@ MODULES = {
     "checkpointing": "technique",
     "lr": "technique",
     "accumulation": "technique",
+    "expert_parallel": "technique",
+    "context_parallel": "technique",
     "cli": "composition",
     "schedule_cli": "composition",
     "cluster": "composition",
@@ -70,20 +73,6 @@ MODULES = {
     "plan": "composition",
     "plan_cli": "composition",
     "testing": "harness",
-    # the main job and the benchmarks while they are still flat modules (see PACKAGES)
-    "train": "composition",
-    "train_cli": "composition",
-    "model": "composition",
-    "data": "composition",
-    "reference": "composition",
-    "resume": "composition",
-    "bench": "composition",
-    "bench_batch": "composition",
-    "bench_dp": "composition",
-    "bench_pipeline": "composition",
-    "bench_sgd": "composition",
-    "bench_tp": "composition",
-    "bench_zero": "composition",
 }
 
 # the only imports between techniques: one is composed from the other, on purpose
