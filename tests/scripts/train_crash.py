@@ -6,11 +6,12 @@ import signal
 
 import minidist
 from minidist.gpt.train import TrainConfig, build_job, train_step
+from minidist.schedules import FORWARD
 
 comm = minidist.init()
 config = TrainConfig(pp=2, tp=2, microbatches=4, steps=10)
 job = build_job(comm, config)
-original = job.stage.forward
+original = job.stage.table[FORWARD]  # what the executor calls for a forward
 
 
 def forward(op):
@@ -19,6 +20,6 @@ def forward(op):
     original(op)
 
 
-job.stage.forward = forward
+job.stage.table[FORWARD] = forward
 for _ in range(config.steps):
     train_step(job)
