@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from minidist.cluster import Cluster, ring_seconds
+from minidist.comm.protocol import Blocking
 from minidist.comm.threads import ThreadsWorld
 
 
@@ -76,7 +77,7 @@ class _Timed:
         return self.work.is_completed()
 
 
-class SimulatedComm:
+class SimulatedComm(Blocking):
     """A comm whose operations move this rank's virtual clock (see the module docstring).
 
     inner: a threads comm; ranks: the world ranks of inner's members (cluster placement).
@@ -170,29 +171,6 @@ class SimulatedComm:
     def barrier(self) -> None:
         rounds = math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0
         self._collective(_Barrier(self.inner), rounds, 0, ring=False).wait()
-
-    def send(self, t, dst, tag=0):
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t, src, tag=0):
-        self.irecv(t, src, tag).wait()
-        return t
-
-    def all_reduce(self, t, op="sum"):
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op="sum"):
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out, inp):
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t, src):
-        self.ibroadcast(t, src).wait()
-        return t
 
     def split(self, color: int) -> SimulatedComm:
         """A simulated sub-comm: its members' world ranks place them on the cluster."""

@@ -31,6 +31,7 @@ import torch
 from minidist.comm.protocol import DTYPES as _DTYPES
 from minidist.comm.protocol import (
     SIG_BYTES,
+    Blocking,
     CallbackWork,
     CollectiveMismatch,
     CommError,
@@ -47,7 +48,7 @@ def _header(t: torch.Tensor, device) -> torch.Tensor:
     return torch.tensor([t.numel(), code], dtype=torch.int64, device=device)
 
 
-class CheckedComm:
+class CheckedComm(Blocking):
     """A comm that checks every collective's signature and every message's header."""
 
     def __init__(self, inner):
@@ -121,13 +122,6 @@ class CheckedComm:
 
         return CallbackWork(_Both(head_work, check, data_work), lambda: None)
 
-    def send(self, t, dst, tag=0):
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t, src, tag=0):
-        self.irecv(t, src, tag).wait()
-        return t
-
     # collectives: check, then do
 
     def iall_reduce(self, t, op="sum"):
@@ -145,22 +139,6 @@ class CheckedComm:
     def ibroadcast(self, t, src):
         self.check(_signature("broadcast", t, src=src))
         return self.inner.ibroadcast(t, src)
-
-    def all_reduce(self, t, op="sum"):
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op="sum"):
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out, inp):
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t, src):
-        self.ibroadcast(t, src).wait()
-        return t
 
     def barrier(self):
         self.check("barrier()")

@@ -33,9 +33,11 @@ from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
     DTYPES,
-    SIG_BYTES,
+    SLOT_BYTES,
+    Blocking,
     CallbackWork,
     CommError,
+    DoneWork,
     SelfMessages,
     agree,
     check_gather,
@@ -44,7 +46,7 @@ from .protocol import (
     check_tag,
     describe,
     dtype_name,
-    flat_bytes,
+    finish_fused,
     poll_until,
     reduce_rows,
     signature,
@@ -80,29 +82,41 @@ def _native_type(dtype: torch.dtype):
 
 
 class _RequestWork:
-    """One MPI request, waited on with a timeout; `status` tells a receive's size."""
+    """One MPI request, waited on with a timeout; `status` (receives) tells what arrived."""
 
-    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None, stuck=None):
+    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None, keep=None):
         self.comm, self.request, self.what, self.seq, self.peer = comm, request, what, seq, peer
-        self.status = _mpi().Status()  # one per operation: polling allocates nothing
+        self.keep = keep  # the tensors whose memory MPI reads or writes: alive until done
+        self.status = None  # a receive sets an MPI.Status: polling allocates nothing
         self.done = False
-        self.stuck = stuck  # called while a wait drags on: may raise to say why
+        self.stuck = None  # called while a wait drags on: may raise to say why
 
     def is_completed(self) -> bool:
         if not self.done:
             try:
                 self.done = self.request.Test(self.status)
             except _mpi().Exception as e:  # e.g. a message larger than the receive buffer
-                where = describe(self.comm, self.what, self.seq, self.peer)
-                raise CommError(f"{where}: {e.Get_error_string()}") from None
+                raise CommError(f"{self.describe()}: {e.Get_error_string()}") from None
         return self.done
 
+    def describe(self) -> str:
+        return describe(self.comm, self.what, self.seq, self.peer)
+
     def wait(self) -> None:
-        describe_me = lambda: describe(self.comm, self.what, self.seq, self.peer)  # noqa: E731
-        poll_until(self.is_completed, self.comm.timeout, describe_me, self.stuck)
+        if not self.is_completed():
+            poll_until(self.is_completed, self.comm.timeout, self.describe, self.stuck)
 
 
-class MPIComm:
+def _buffer(host: torch.Tensor, mpi_type=None) -> list:
+    """[memory, type] over host's bytes (contiguous, on the CPU), for mpi4py: no copy, and no
+    numpy or byte view per message (they cost more than a small message itself). MPI does not
+    hold host alive: the caller keeps it until the request is done."""
+    MPI = _mpi()
+    memory = MPI.buffer.fromaddress(host.data_ptr(), host.numel() * host.element_size())
+    return [memory, MPI.BYTE if mpi_type is None else mpi_type]
+
+
+class MPIComm(Blocking):
     """A `Comm` over an mpi4py communicator (COMM_WORLD by default)."""
 
     backend = "mpi"
@@ -122,7 +136,7 @@ class MPIComm:
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """t itself when MPI can use its memory directly, else a contiguous host copy."""
-        if t.is_contiguous() and t.device.type == "cpu":
+        if t.is_cpu and t.is_contiguous():
             return t
         return t.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
 
@@ -139,11 +153,8 @@ class MPIComm:
         if dst == self.rank:
             return self.to_self.send(t, tag)
         host = self._host(t)
-        wire = _wire_tag(tag, t.dtype)
-        req = self.mpi_comm.Isend([flat_bytes(host).numpy(), _mpi().BYTE], dst, wire)
-        work = _RequestWork(self, req, f"send(tag={tag})", self.seq, dst)
-        work.keep = host  # the buffer must outlive the request
-        return work
+        req = self.mpi_comm.Isend(_buffer(host), dst, _wire_tag(tag, t.dtype))
+        return _RequestWork(self, req, f"send(tag={tag})", self.seq, dst, keep=host)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
         check_peer(self, src, "src")
@@ -152,19 +163,20 @@ class MPIComm:
         if src == self.rank:
             return self.to_self.recv(t, tag, self.seq)
         host = self._host(t)
-        buf = flat_bytes(host)
-        req = self.mpi_comm.Irecv([buf.numpy(), _mpi().BYTE], src, _wire_tag(tag, t.dtype))
-        work = _RequestWork(self, req, f"recv(tag={tag})", self.seq, src)
+        req = self.mpi_comm.Irecv(_buffer(host), src, _wire_tag(tag, t.dtype))
+        work = _RequestWork(self, req, f"recv(tag={tag})", self.seq, src, keep=host)
+        work.status = _mpi().Status()
         work.stuck = lambda: self._other_dtype(t, src, tag, work)
 
         def finish():
-            got = work.status.Get_count(_mpi().BYTE)
-            if got != buf.numel():
+            got, nbytes = work.status.Get_count(_mpi().BYTE), host.numel() * host.element_size()
+            if got != nbytes:
                 raise CommError(
                     f"{describe(self, 'recv', work.seq, src)}: the message holds {got} bytes, "
-                    f"the buffer {buf.numel()} ({t.numel()} x {t.dtype})"
+                    f"the buffer {nbytes} ({t.numel()} x {t.dtype})"
                 )
-            self._back(host, t)()
+            if host is not t:
+                t.copy_(host.reshape(t.shape))
 
         return CallbackWork(work, finish)
 
@@ -185,32 +197,26 @@ class MPIComm:
                     f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
                 )
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
-
     # collectives
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
         check_op(op, t.dtype)
         self.seq += 1
-        self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})")
-        host = self._host(t)
+        rows = self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})", t)
+        if rows is not None:
+            finish_fused(rows, "all_reduce", t, op)
+            return DoneWork()
+        host, rows = self._host(t), None
         mpi_type = _native_type(t.dtype)
         if mpi_type is None:  # no MPI reduction for this dtype: gather bytes, fold in torch
-            rows = torch.empty((self.world_size, host.numel()), dtype=t.dtype)
-            req = self.mpi_comm.Iallgather(
-                [flat_bytes(host).numpy(), _mpi().BYTE], [flat_bytes(rows).numpy(), _mpi().BYTE]
-            )
+            rows = torch.empty((self.world_size, host.numel()), dtype=t.dtype)  # (p, N)
+            req = self.mpi_comm.Iallgather(_buffer(host), _buffer(rows))
             fold = lambda: host.copy_(reduce_rows(rows, op).reshape(host.shape))  # noqa: E731
         else:
-            buf = [flat_bytes(host).numpy(), mpi_type]
+            buf = _buffer(host, mpi_type)
             req = self.mpi_comm.Iallreduce(_mpi().IN_PLACE, buf, self._mpi_op(op))
             fold = lambda: None  # noqa: E731
-        work = _RequestWork(self, req, f"all_reduce(op={op})", self.seq)
+        work = _RequestWork(self, req, f"all_reduce(op={op})", self.seq, keep=(host, rows))
 
         def finish():
             fold()
@@ -224,24 +230,25 @@ class MPIComm:
         check_op(op, inp.dtype)
         check_gather(out, inp, self.world_size, "reduce_scatter")
         self.seq += 1
-        self._agree(signature("reduce_scatter", inp, op=op), f"reduce_scatter(op={op})")
-        src, dst = self._host(inp), self._host(out)
+        sig = signature("reduce_scatter", inp, op=op)
+        rows = self._agree(sig, f"reduce_scatter(op={op})", inp)
+        if rows is not None:
+            finish_fused(rows, "reduce_scatter", out, op, rank=self.rank)
+            return DoneWork()
+        src, dst, rows = self._host(inp), self._host(out), None
         mpi_type = _native_type(inp.dtype)
-        MPI = _mpi()
         if mpi_type is None:  # each rank receives every rank's copy of its chunk, then folds
             rows = torch.empty((self.world_size, out.numel()), dtype=out.dtype)
-            req = self.mpi_comm.Ialltoall(
-                [flat_bytes(src).numpy(), MPI.BYTE], [flat_bytes(rows).numpy(), MPI.BYTE]
-            )
+            req = self.mpi_comm.Ialltoall(_buffer(src), _buffer(rows))
             fold = lambda: dst.copy_(reduce_rows(rows, op).reshape(dst.shape))  # noqa: E731
         else:
             req = self.mpi_comm.Ireduce_scatter_block(
-                [flat_bytes(src).numpy(), mpi_type],
-                [flat_bytes(dst).numpy(), mpi_type],
+                _buffer(src, mpi_type),
+                _buffer(dst, mpi_type),
                 self._mpi_op(op),
             )
             fold = lambda: None  # noqa: E731
-        work = _RequestWork(self, req, f"reduce_scatter(op={op})", self.seq)
+        work = _RequestWork(self, req, f"reduce_scatter(op={op})", self.seq, keep=(src, dst, rows))
 
         def finish():
             fold()
@@ -254,61 +261,41 @@ class MPIComm:
     def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
         check_gather(out, inp, self.world_size, "all_gather")
         self.seq += 1
-        self._agree(signature("all_gather", inp), "all_gather")
+        rows = self._agree(signature("all_gather", inp), "all_gather", inp)
+        if rows is not None:
+            finish_fused(rows, "all_gather", out)
+            return DoneWork()
         src, dst = self._host(inp), self._host(out)
-        MPI = _mpi()
-        req = self.mpi_comm.Iallgather(
-            [flat_bytes(src).numpy(), MPI.BYTE], [flat_bytes(dst).numpy(), MPI.BYTE]
-        )
-        work = _RequestWork(self, req, "all_gather", self.seq)
-        work.keep = src
+        req = self.mpi_comm.Iallgather(_buffer(src), _buffer(dst))
+        work = _RequestWork(self, req, "all_gather", self.seq, keep=(src, dst))
         return CallbackWork(work, self._back(dst, out))
 
     def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
         check_peer(self, src, "src")
         self.seq += 1
+        rows = self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})", t)
+        if rows is not None:
+            finish_fused(rows, "broadcast", t, src=src)
+            return DoneWork()
         host = self._host(t)
-        self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})")
-        req = self.mpi_comm.Ibcast([flat_bytes(host).numpy(), _mpi().BYTE], root=src)
-        work = _RequestWork(self, req, f"broadcast(src={src})", self.seq, src)
+        req = self.mpi_comm.Ibcast(_buffer(host), root=src)
+        work = _RequestWork(self, req, f"broadcast(src={src})", self.seq, src, keep=host)
         return CallbackWork(work, self._back(host, t))
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self.ibroadcast(t, src).wait()
-        return t
 
     def barrier(self) -> None:
         self.seq += 1
-        self._agree("barrier()", "barrier")  # an all-reduce: no rank leaves before all arrive
+        self._agree("barrier()", "barrier")  # an all-gather: no rank leaves before all arrive
 
-    def _agree(self, sig: str, what: str) -> None:
+    def _agree(self, sig: str, what: str, payload: torch.Tensor | None = None):
         """protocol.agree over MPI, which would match the payloads by order alone."""
-        MPI = _mpi()
-
-        def max_pair(pair: torch.Tensor) -> torch.Tensor:
-            req = self.mpi_comm.Iallreduce(MPI.IN_PLACE, [pair.numpy(), MPI.INT64_T], MPI.MAX)
-            _RequestWork(self, req, what, self.seq).wait()
-            return pair
 
         def gather(row: torch.Tensor) -> torch.Tensor:
-            rows = torch.empty((self.world_size, SIG_BYTES), dtype=torch.uint8)
-            req = self.mpi_comm.Iallgather([row.numpy(), MPI.BYTE], [rows.numpy(), MPI.BYTE])
+            rows = torch.empty((self.world_size, SLOT_BYTES), dtype=torch.uint8)
+            req = self.mpi_comm.Iallgather(_buffer(row), _buffer(rows))
             _RequestWork(self, req, what, self.seq).wait()
             return rows
 
-        agree(self, sig, max_pair, gather)
+        return agree(self, sig, gather, payload)
 
     def split(self, color: int) -> MPIComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""

@@ -26,7 +26,8 @@ Conventions shared by every backend (and asserted by tests/test_comm.py):
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,10 @@ DTYPES = [
 DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}  # any other dtype: len(DTYPES)
 MAX_TAG = 1 << 24  # user tags are 0 .. MAX_TAG-1: backends keep the bits above for themselves
 SIG_BYTES = 160  # a signature's text travels in this many bytes
+# a library collective whose payload (its input) has at most this many bytes travels inside its
+# agreement (see agree): one all-gather of SLOT_BYTES a rank, no second collective
+FUSED_BYTES = 1024
+SLOT_BYTES = SIG_BYTES + FUSED_BYTES  # a multiple of 16: any dtype views its rows
 
 
 class CommError(RuntimeError):
@@ -100,6 +105,37 @@ class Comm(Protocol):
     def ibroadcast(self, t: torch.Tensor, src: int) -> Work: ...
     def barrier(self) -> None: ...
     def split(self, color: int) -> Comm: ...
+
+
+class Blocking:
+    """The blocking operations, written once for every comm: each is its `i`-variant, waited on.
+
+    Backends and wrappers list it as a base (`class MPIComm(Blocking)`) and implement only the
+    non-blocking operations, `barrier` and `split`; it holds no state.
+    """
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(t, dst, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(t, src, tag).wait()
+        return t
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.iall_reduce(t, op).wait()
+        return t
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.ireduce_scatter(out, inp, op).wait()
+        return out
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        self.iall_gather(out, inp).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self.ibroadcast(t, src).wait()
+        return t
 
 
 class DoneWork:
@@ -175,25 +211,30 @@ def poll_until(
 ) -> None:
     """Poll `done()` until it is true; CommTimeout after `timeout` seconds.
 
-    Three phases. Spin: small messages complete within microseconds. Then yield (sleep(0))
-    between polls for up to 50 ms: MPI advances a non-blocking operation only while it is
-    polled, so long sleeps would stall every round of a large collective, while yielding
-    still lets a peer that shares this core run. Then back off to 1 ms sleeps: a long wait
-    (a straggler, a hang on its way to the timeout) should not burn a core. In that last phase
-    `stuck()`, if given, runs before each sleep: it may raise to explain why nothing comes.
+    Three phases. Spin: small messages complete within microseconds. Then yield the core
+    (os.sched_yield) between polls for up to 50 ms: MPI advances a non-blocking operation only
+    while it is polled, so sleeping would stall every round of a large collective, while
+    yielding still lets a peer that shares this core run. (Not time.sleep(0): that is a real
+    sleep of the kernel's timer slack, 50 us and more, measured 180 us on a busy 2-core
+    machine.) Then back off to 1 ms sleeps: a long wait (a straggler, a hang on its way to the
+    timeout) should not burn a core. In that last phase `stuck()`, if given, runs before each
+    sleep: it may raise to explain why nothing comes.
     """
-    for _ in range(200):
+    for _ in range(50):
         if done():
             return
     start = time.monotonic()
     deadline, patient = start + timeout, start + 0.05
     while not done():
         now = time.monotonic()
+        if now < patient:
+            os.sched_yield()
+            continue
         if now > deadline:
             raise CommTimeout(f"{what()} timed out after {timeout:g}s")
-        if now >= patient and stuck is not None:
+        if stuck is not None:
             stuck()
-        time.sleep(0 if now < patient else 1e-3)
+        time.sleep(1e-3)
 
 
 def check_peer(comm, peer: int, name: str) -> None:
@@ -270,37 +311,65 @@ def signature(name: str, t: torch.Tensor | None, **extra) -> str:
     return f"{name}({', '.join(parts)})"
 
 
-def signature_key(sig: str) -> int:
-    """A 56-bit number for a signature text, the same in every process (unlike hash())."""
-    return int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little")
+@functools.lru_cache(maxsize=4096)  # a training loop repeats a few signatures
+def _signature_bytes(sig: str) -> bytes:
+    return sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
 
 
 def encode_signature(sig: str) -> torch.Tensor:
     """sig as SIG_BYTES bytes (uint8), zero-padded, for an all-gather."""
-    raw = sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(_signature_bytes(sig)), dtype=torch.uint8)
 
 
 def decode_signature(row: torch.Tensor) -> str:
     return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def agree(comm, sig: str, max_pair: Callable, gather: Callable) -> None:
+def agree(comm, sig: str, gather: Callable, payload: torch.Tensor | None = None):
     """Return once every rank of comm has called the collective `sig`; else raise
-    CollectiveMismatch on every rank, naming who called what, before any payload moves.
+    CollectiveMismatch on every rank, naming who called what, before any buffer is touched.
 
-    max_pair(pair) all-reduces the int64 tensor (k, -k) with max, in place, k the signature's
-    56-bit key: the ranks agree iff max k == -max(-k), i.e. max k == min k. One small
-    all-reduce per collective; only on a mismatch, gather(row) all-gathers the texts as a
-    (world_size, SIG_BYTES) uint8 tensor. comm.collectives numbers the collectives.
+    One all-gather: gather(row) all-gathers a SLOT_BYTES uint8 row from every rank into a
+    (world_size, SLOT_BYTES) tensor. A row holds the signature's text, then `payload`'s bytes
+    if it has at most FUSED_BYTES. The rows have one size on every rank whatever each called,
+    so even a mismatched agreement is a well-formed collective, and every rank sees every text.
+    Returns the (world_size, nbytes) uint8 rows of the payloads when they rode along (the
+    caller folds them: the collective is done, one synchronisation instead of two), else None
+    (the caller moves the payload next). comm.collectives numbers the collectives.
     """
     comm.collectives += 1
-    key = signature_key(sig)
-    high, low = max_pair(torch.tensor([key, -key])).tolist()
-    if high == -low:
-        return
-    sigs = [decode_signature(row) for row in gather(encode_signature(sig)).cpu()]
-    raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
+    mine = _signature_bytes(sig)
+    nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+    fused = payload is not None and nbytes <= FUSED_BYTES
+    row = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
+    row.numpy()[:SIG_BYTES] = memoryview(mine)
+    if fused:
+        row[SIG_BYTES : SIG_BYTES + nbytes] = flat_bytes(payload.detach().contiguous())
+    rows = gather(row).cpu()  # (p, SLOT_BYTES)
+    if rows[:, :SIG_BYTES].numpy().tobytes() != mine * comm.world_size:
+        sigs = [decode_signature(r) for r in rows[:, :SIG_BYTES]]
+        raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
+    return rows[:, SIG_BYTES : SIG_BYTES + nbytes] if fused else None
+
+
+def finish_fused(rows: torch.Tensor, name: str, out: torch.Tensor, op="sum", src=0, rank=0):
+    """Fill `out` with this rank's result of collective `name` from the payload rows that
+    `agree` returned, (p, nbytes) uint8: rank i's flattened input in row i. Every rank folds the
+    same rows in rank order, so every rank holds bitwise the same result."""
+    data = rows.view(out.dtype)  # (p, n)
+    p = data.shape[0]
+    if name == "all_gather":
+        result = data
+    elif name == "broadcast":
+        result = data[src]
+    else:  # all_reduce, or reduce_scatter: rank r's chunk of n / p elements
+        n = out.numel()
+        part = data if name == "all_reduce" else data[:, rank * n : (rank + 1) * n]
+        result = reduce_rows(part, op)
+        if op == "avg":
+            result.div_(p)
+    out.copy_(result.reshape(out.shape))
+    return out
 
 
 def mismatch_message(comm, seq: int, sigs: list[str]) -> str:

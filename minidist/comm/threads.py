@@ -28,6 +28,7 @@ import torch
 
 from .protocol import (
     DEFAULT_TIMEOUT,
+    Blocking,
     CollectiveMismatch,
     CommError,
     CommTimeout,
@@ -182,7 +183,7 @@ class _RecvWork:
         # lab 01.2 end
 
 
-class ThreadsComm:
+class ThreadsComm(Blocking):
     """One thread-rank's view of a `ThreadsWorld`; implements the `Comm` protocol."""
 
     backend = "threads"
@@ -220,13 +221,6 @@ class ThreadsComm:
         work = _RecvWork(self, t, src, tag, self.seq)
         self.pending.setdefault((src, tag), deque()).append(work)
         return work
-
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
 
     # collectives: deposit a copy of the input, return a Work that computes this rank's share
 
@@ -271,22 +265,6 @@ class ThreadsComm:
         check_peer(self, src, "src")
         finish = lambda rows: t.copy_(rows[src].reshape(t.shape))  # noqa: E731
         return self._collective("broadcast", t, signature("broadcast", t, src=src), finish)
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self.ibroadcast(t, src).wait()
-        return t
 
     def barrier(self) -> None:
         empty = torch.empty(0)

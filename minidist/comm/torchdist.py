@@ -32,10 +32,12 @@ from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
     DTYPES,
-    SIG_BYTES,
+    SLOT_BYTES,
+    Blocking,
     CallbackWork,
     CommError,
     CommTimeout,
+    DoneWork,
     PeerFailed,
     SelfMessages,
     agree,
@@ -45,6 +47,7 @@ from .protocol import (
     check_tag,
     describe,
     dtype_name,
+    finish_fused,
     flat_bytes,
     signature,
 )
@@ -168,7 +171,7 @@ class _TorchWork:
         self.done = True
 
 
-class TorchDistComm:
+class TorchDistComm(Blocking):
     """A `Comm` over a torch.distributed process group (None = the default group)."""
 
     def __init__(self, group, backend: str, device: torch.device, timeout=DEFAULT_TIMEOUT):
@@ -252,19 +255,15 @@ class TorchDistComm:
         nbytes = t.numel() * t.element_size()
         t.copy_(frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(t.dtype).reshape(t.shape))
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
-
     # collectives
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
         check_op(op, t.dtype)
         self.seq += 1
-        self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})")
+        rows = self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})", t)
+        if rows is not None:
+            finish_fused(rows, "all_reduce", t, op)
+            return DoneWork()
         dense = self._dense(t)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
         work = self._issue("all_reduce", None, dist.all_reduce, dense, op=reduce_op,
@@ -281,7 +280,11 @@ class TorchDistComm:
         check_op(op, inp.dtype)
         check_gather(out, inp, self.world_size, "reduce_scatter")
         self.seq += 1
-        self._agree(signature("reduce_scatter", inp, op=op), f"reduce_scatter(op={op})")
+        sig = signature("reduce_scatter", inp, op=op)
+        rows = self._agree(sig, f"reduce_scatter(op={op})", inp)
+        if rows is not None:
+            finish_fused(rows, "reduce_scatter", out, op, rank=self.rank)
+            return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
         work = self._issue("reduce_scatter", None, _reduce_scatter_flat, dst.reshape(-1), src,
@@ -297,7 +300,10 @@ class TorchDistComm:
     def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
         check_gather(out, inp, self.world_size, "all_gather")
         self.seq += 1
-        self._agree(signature("all_gather", inp), "all_gather")
+        rows = self._agree(signature("all_gather", inp), "all_gather", inp)
+        if rows is not None:
+            finish_fused(rows, "all_gather", out)
+            return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src,
                            group=self.group, async_op=True)  # fmt: skip
@@ -306,50 +312,30 @@ class TorchDistComm:
     def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
         check_peer(self, src, "src")
         self.seq += 1
+        rows = self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})", t)
+        if rows is not None:
+            finish_fused(rows, "broadcast", t, src=src)
+            return DoneWork()
         dense = self._dense(t)
-        self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})")
         work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src),
                            group=self.group, async_op=True)  # fmt: skip
         return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op: str = "sum") -> torch.Tensor:
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self.ibroadcast(t, src).wait()
-        return t
-
     def barrier(self) -> None:
         self.seq += 1
-        self._agree("barrier()", "barrier")  # an all-reduce: no rank leaves before all arrive
+        self._agree("barrier()", "barrier")  # an all-gather: no rank leaves before all arrive
 
-    def _agree(self, sig: str, what: str) -> None:
+    def _agree(self, sig: str, what: str, payload: torch.Tensor | None = None):
         """protocol.agree over Gloo, which would return wrong numbers on some ranks, or abort."""
 
-        def run(start, *args, **kwargs) -> None:
-            work = self._issue(what, None, start, *args, group=self.group, async_op=True, **kwargs)
-            _TorchWork(self, work, what, self.seq).wait()
-
-        def max_pair(pair: torch.Tensor) -> torch.Tensor:
-            pair = pair.to(self.device)
-            run(dist.all_reduce, pair, op=dist.ReduceOp.MAX)
-            return pair
-
         def gather(row: torch.Tensor) -> torch.Tensor:
-            rows = torch.empty((self.world_size, SIG_BYTES), dtype=torch.uint8, device=self.device)
-            run(_all_gather_flat, rows.view(-1), row.to(self.device))
+            rows = torch.empty((self.world_size, SLOT_BYTES), dtype=torch.uint8, device=self.device)
+            work = self._issue(what, None, _all_gather_flat, rows.view(-1), row.to(self.device),
+                               group=self.group, async_op=True)  # fmt: skip
+            _TorchWork(self, work, what, self.seq).wait()
             return rows
 
-        agree(self, sig, max_pair, gather)
+        return agree(self, sig, gather, payload)
 
     def split(self, color: int) -> TorchDistComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""

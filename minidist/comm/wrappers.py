@@ -25,6 +25,8 @@ from collections import Counter as _Tally
 
 import torch
 
+from .protocol import Blocking
+
 
 class Counter:
     """Tallies per operation (calls, payload bytes) and per peer (messages, bytes)."""
@@ -135,7 +137,7 @@ class _ObservedWork:
         return self.work.is_completed()
 
 
-class ObservedComm:
+class ObservedComm(Blocking):
     """A comm that reports every operation to an observer (a Counter or a Tracer)."""
 
     def __init__(self, inner, observer):
@@ -176,29 +178,6 @@ class ObservedComm:
 
     def ibroadcast(self, t, src):
         return self._observe("broadcast", src, t, lambda: self.inner.ibroadcast(t, src))
-
-    def send(self, t, dst, tag=0):
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t, src, tag=0):
-        self.irecv(t, src, tag).wait()
-        return t
-
-    def all_reduce(self, t, op="sum"):
-        self.iall_reduce(t, op).wait()
-        return t
-
-    def reduce_scatter(self, out, inp, op="sum"):
-        self.ireduce_scatter(out, inp, op).wait()
-        return out
-
-    def all_gather(self, out, inp):
-        self.iall_gather(out, inp).wait()
-        return out
-
-    def broadcast(self, t, src):
-        self.ibroadcast(t, src).wait()
-        return t
 
     def barrier(self):
         token = self.observer.start("barrier", None, 0, self.n_ops)
