@@ -4,6 +4,9 @@ processes (tiny sizes); speed is never asserted."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +74,13 @@ def test_bench_p2p_and_the_table(capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "one-way(us)" in table and "raw(us)" in table and "1024" in table
+
+
+@pytest.mark.pure
+def test_gpu_check_skips_cleanly_without_a_gpu():
+    """make gpu-check on a machine without CUDA: one line, exit 0."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    tool = os.path.join(root, "tools", "gpu_check.py")
+    done = subprocess.run([sys.executable, tool], env=env, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "no GPU: skipped\n"), done.stderr
