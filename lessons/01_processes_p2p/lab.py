@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from minidist.comm.agreement import mismatch_message, signature
 from minidist.comm.protocol import (
     DEFAULT_TIMEOUT,
     Blocking,
@@ -46,9 +47,7 @@ from minidist.comm.protocol import (
     check_peer,
     check_tag,
     describe,
-    mismatch_message,
     reduce_rows,
-    signature,
 )
 
 

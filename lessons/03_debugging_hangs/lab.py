@@ -28,19 +28,18 @@ from __future__ import annotations
 
 import torch
 
+from minidist.comm.agreement import SIG_BYTES, mismatch_message
+from minidist.comm.agreement import decode_signature as _decode
+from minidist.comm.agreement import encode_signature as _encode
+from minidist.comm.agreement import signature as _signature
 from minidist.comm.protocol import DTYPES as _DTYPES
 from minidist.comm.protocol import (
-    SIG_BYTES,
     Blocking,
     CallbackWork,
     CollectiveMismatch,
     CommError,
     describe,
-    mismatch_message,
 )
-from minidist.comm.protocol import decode_signature as _decode
-from minidist.comm.protocol import encode_signature as _encode
-from minidist.comm.protocol import signature as _signature
 
 
 def _header(t: torch.Tensor, device) -> torch.Tensor:

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import torch
 
+from .agreement import SIG_BYTES, mismatch_message
+from .agreement import decode_signature as _decode
+from .agreement import encode_signature as _encode
+from .agreement import signature as _signature
 from .protocol import DTYPES as _DTYPES
 from .protocol import (
-    SIG_BYTES,
     Blocking,
     CallbackWork,
     CollectiveMismatch,
     CommError,
     describe,
-    mismatch_message,
 )
-from .protocol import decode_signature as _decode
-from .protocol import encode_signature as _encode
-from .protocol import signature as _signature
 
 
 def _header(t: torch.Tensor, device) -> torch.Tensor:

@@ -3,9 +3,10 @@
 A `Comm` is a group of ranks that can talk: point-to-point `send`/`recv` (and their
 non-blocking `isend`/`irecv`), the library's own collectives (`all_reduce`, `reduce_scatter`,
 `all_gather`, `broadcast`, `barrier`, each with an `i`-prefixed variant returning a `Work`), and
-`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it without a
-base class; the wrappers in `comm/wrappers.py` wear it too, so techniques never know which
-backend moves their bytes.
+`split` into sub-communicators. Backends (`threads`, `mpi`, `torchdist`) implement it; the
+wrappers in `comm/wrappers.py` wear it too, so techniques never know which backend moves their
+bytes. Their one shared base, `Blocking`, holds no state: it writes each blocking operation once,
+as its `i`-variant waited on.
 
 Conventions shared by every backend (and asserted by tests/test_comm.py):
 - Tensors are filled in place and also returned. Any shape, dtype, device the backend accepts,
@@ -26,7 +27,6 @@ Conventions shared by every backend (and asserted by tests/test_comm.py):
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections import deque
@@ -45,11 +45,6 @@ DTYPES = [
 ]  # fmt: skip
 DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}  # any other dtype: len(DTYPES)
 MAX_TAG = 1 << 24  # user tags are 0 .. MAX_TAG-1: backends keep the bits above for themselves
-SIG_BYTES = 160  # a signature's text travels in this many bytes
-# a library collective whose payload (its input) has at most this many bytes travels inside its
-# agreement (see agree): one all-gather of SLOT_BYTES a rank, no second collective
-FUSED_BYTES = 1024
-SLOT_BYTES = SIG_BYTES + FUSED_BYTES  # a multiple of 16: any dtype views its rows
 
 
 class CommError(RuntimeError):
@@ -211,21 +206,21 @@ def poll_until(
 ) -> None:
     """Poll `done()` until it is true; CommTimeout after `timeout` seconds.
 
-    Three phases. Spin: small messages complete within microseconds. Then yield the core
-    (os.sched_yield) between polls for up to 50 ms: MPI advances a non-blocking operation only
-    while it is polled, so sleeping would stall every round of a large collective, while
-    yielding still lets a peer that shares this core run. (Not time.sleep(0): that is a real
-    sleep of the kernel's timer slack, 50 us and more, measured 180 us on a busy 2-core
-    machine.) Then back off to 1 ms sleeps: a long wait (a straggler, a hang on its way to the
-    timeout) should not burn a core. In that last phase `stuck()`, if given, runs before each
-    sleep: it may raise to explain why nothing comes.
+    Two phases, as MPI's own blocking waits do. For the first 50 ms, spin: MPI advances a
+    non-blocking operation only while it is polled, so any sleep would stall every round of a
+    collective; every 64 polls, yield the core (os.sched_yield) so that a peer sharing it can
+    run. (Not time.sleep(0): that is a real sleep of the kernel's timer slack, measured at
+    180 us on a busy 2-core machine, longer than a small message takes.) Then back off to 1 ms
+    sleeps: a long wait (a straggler, a hang on its way to the timeout) should not burn a core.
+    In that phase `stuck()`, if given, runs before each sleep: it may raise to say why nothing
+    comes.
     """
-    for _ in range(50):
-        if done():
-            return
     start = time.monotonic()
     deadline, patient = start + timeout, start + 0.05
-    while not done():
+    while True:
+        for _ in range(64):
+            if done():
+                return
         now = time.monotonic()
         if now < patient:
             os.sched_yield()
@@ -302,84 +297,3 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:  # torch calls an empty tensor of any strides contiguous: no bytes anyway
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.reshape(-1).view(torch.uint8)
-
-
-def signature(name: str, t: torch.Tensor | None, **extra) -> str:
-    """What must agree across ranks for a collective: 'all_reduce(shape=(4,), float32, op=sum)'."""
-    parts = [] if t is None else [f"shape={tuple(t.shape)}", str(t.dtype).replace("torch.", "")]
-    parts += [f"{k}={v}" for k, v in extra.items()]
-    return f"{name}({', '.join(parts)})"
-
-
-@functools.lru_cache(maxsize=4096)  # a training loop repeats a few signatures
-def _signature_bytes(sig: str) -> bytes:
-    return sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
-
-
-def encode_signature(sig: str) -> torch.Tensor:
-    """sig as SIG_BYTES bytes (uint8), zero-padded, for an all-gather."""
-    return torch.frombuffer(bytearray(_signature_bytes(sig)), dtype=torch.uint8)
-
-
-def decode_signature(row: torch.Tensor) -> str:
-    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
-
-
-def agree(comm, sig: str, gather: Callable, payload: torch.Tensor | None = None):
-    """Return once every rank of comm has called the collective `sig`; else raise
-    CollectiveMismatch on every rank, naming who called what, before any buffer is touched.
-
-    One all-gather: gather(row) all-gathers a SLOT_BYTES uint8 row from every rank into a
-    (world_size, SLOT_BYTES) tensor. A row holds the signature's text, then `payload`'s bytes
-    if it has at most FUSED_BYTES. The rows have one size on every rank whatever each called,
-    so even a mismatched agreement is a well-formed collective, and every rank sees every text.
-    Returns the (world_size, nbytes) uint8 rows of the payloads when they rode along (the
-    caller folds them: the collective is done, one synchronisation instead of two), else None
-    (the caller moves the payload next). comm.collectives numbers the collectives.
-    """
-    comm.collectives += 1
-    mine = _signature_bytes(sig)
-    nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-    fused = payload is not None and nbytes <= FUSED_BYTES
-    row = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
-    row.numpy()[:SIG_BYTES] = memoryview(mine)
-    if fused:
-        row[SIG_BYTES : SIG_BYTES + nbytes] = flat_bytes(payload.detach().contiguous())
-    rows = gather(row).cpu()  # (p, SLOT_BYTES)
-    if rows[:, :SIG_BYTES].numpy().tobytes() != mine * comm.world_size:
-        sigs = [decode_signature(r) for r in rows[:, :SIG_BYTES]]
-        raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
-    return rows[:, SIG_BYTES : SIG_BYTES + nbytes] if fused else None
-
-
-def finish_fused(rows: torch.Tensor, name: str, out: torch.Tensor, op="sum", src=0, rank=0):
-    """Fill `out` with this rank's result of collective `name` from the payload rows that
-    `agree` returned, (p, nbytes) uint8: rank i's flattened input in row i. Every rank folds the
-    same rows in rank order, so every rank holds bitwise the same result."""
-    data = rows.view(out.dtype)  # (p, n)
-    p = data.shape[0]
-    if name == "all_gather":
-        result = data
-    elif name == "broadcast":
-        result = data[src]
-    else:  # all_reduce, or reduce_scatter: rank r's chunk of n / p elements
-        n = out.numel()
-        part = data if name == "all_reduce" else data[:, rank * n : (rank + 1) * n]
-        result = reduce_rows(part, op)
-        if op == "avg":
-            result.div_(p)
-    out.copy_(result.reshape(out.shape))
-    return out
-
-
-def mismatch_message(comm, seq: int, sigs: list[str]) -> str:
-    """Name which ranks called what, grouped: 'ranks [0, 2]: all_reduce(...); rank 1: ...'."""
-    groups: dict[str, list[int]] = {}
-    for r, s in enumerate(sigs):
-        groups.setdefault(s, []).append(r)
-    parts = [
-        f"ranks {rs}: {s}" if len(rs) > 1 else f"rank {rs[0]}: {s}" for s, rs in groups.items()
-    ]
-    return f"collective #{seq} differs across the {comm.world_size} ranks of {comm.backend}: " + (
-        "; ".join(parts)
-    )

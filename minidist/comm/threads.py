@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from .agreement import mismatch_message, signature
 from .protocol import (
     DEFAULT_TIMEOUT,
     Blocking,
@@ -39,9 +40,7 @@ from .protocol import (
     check_peer,
     check_tag,
     describe,
-    mismatch_message,
     reduce_rows,
-    signature,
 )
 
 

@@ -7,7 +7,8 @@ Every operation is issued asynchronously (`async_op=True`) and waited on with th
 timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number and peer.
 No wrong numbers from a mismatch (Gloo fills a larger receive buffer silently, aborts on a
 smaller one, matches collectives by order alone): messages travel framed with their count and
-dtype (`_frame`, `_unframe`), and every collective starts with `_agree`.
+dtype (`_frame`, `_unframe`), and every collective starts with `_agree` (protocol.agree: one
+all-gather of the signature, carrying a small payload along so that it needs no second one).
 
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
 should end, which is what the launcher does). And Gloo's point-to-point receives report
@@ -28,11 +29,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .agreement import SLOT_BYTES, agree, finish_fused, signature
 from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
     DTYPES,
-    SLOT_BYTES,
     Blocking,
     CallbackWork,
     CommError,
@@ -40,16 +41,13 @@ from .protocol import (
     DoneWork,
     PeerFailed,
     SelfMessages,
-    agree,
     check_gather,
     check_op,
     check_peer,
     check_tag,
     describe,
     dtype_name,
-    finish_fused,
     flat_bytes,
-    signature,
 )
 
 HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
@@ -328,12 +326,13 @@ class TorchDistComm(Blocking):
     def _agree(self, sig: str, what: str, payload: torch.Tensor | None = None):
         """protocol.agree over Gloo, which would return wrong numbers on some ranks, or abort."""
 
-        def gather(row: torch.Tensor) -> torch.Tensor:
-            rows = torch.empty((self.world_size, SLOT_BYTES), dtype=torch.uint8, device=self.device)
-            work = self._issue(what, None, _all_gather_flat, rows.view(-1), row.to(self.device),
-                               group=self.group, async_op=True)  # fmt: skip
+        def gather(row: bytes):
+            mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
+            rows = torch.empty(self.world_size * SLOT_BYTES, dtype=torch.uint8, device=self.device)
+            work = self._issue(what, None, _all_gather_flat, rows, mine, group=self.group,
+                               async_op=True)  # fmt: skip
             _TorchWork(self, work, what, self.seq).wait()
-            return rows
+            return rows.cpu().numpy()
 
         return agree(self, sig, gather, payload)
 

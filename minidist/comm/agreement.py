@@ -1,0 +1,149 @@
+"""The signature agreement of the library collectives: no rank ever folds a mismatched call.
+
+Before a collective's payload moves, every rank must know that every other rank called the same
+collective with the same shape, dtype, op and root: MPI and Gloo match collectives by order
+alone, and a mismatch there gives wrong numbers, a crash or a hang. `agree` settles it in one
+all-gather of a fixed-size row per rank (the signature's text, and a small payload with it), and
+`finish_fused` completes a small collective from those rows, so that it costs one
+synchronisation, checked, as it did unchecked. Used by the mpi and gloo backends (`_agree`);
+threads compares the same texts at its meeting point, debug mode (checked.py) all-gathers them.
+See lessons/03_debugging_hangs, "No wrong numbers".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .protocol import CollectiveMismatch, reduce_rows
+
+SIG_BYTES = 160  # a signature's text travels in this many bytes
+# a library collective whose payload (its input) has at most this many bytes travels inside its
+# agreement (see agree): one all-gather of SLOT_BYTES a rank, no second collective
+FUSED_BYTES = 1024
+SLOT_BYTES = SIG_BYTES + FUSED_BYTES  # a multiple of 16: any dtype views its rows
+
+
+def signature(name: str, t: torch.Tensor | None, **extra) -> str:
+    """What must agree across ranks for a collective: 'all_reduce(shape=(4,), float32, op=sum)'."""
+    if t is None:
+        return _signature(name, None, None, tuple(extra.items()))
+    return _signature(name, t.shape, t.dtype, tuple(extra.items()))
+
+
+@functools.lru_cache(maxsize=4096)  # formatting costs more than a small message; loops repeat
+def _signature(name: str, shape, dtype, extra: tuple) -> str:
+    parts = [] if shape is None else [f"shape={tuple(shape)}", str(dtype).replace("torch.", "")]
+    parts += [f"{k}={v}" for k, v in extra]
+    return f"{name}({', '.join(parts)})"
+
+
+@functools.lru_cache(maxsize=4096)  # a training loop repeats a few signatures
+def _signature_bytes(sig: str) -> bytes:
+    return sig.encode()[:SIG_BYTES].ljust(SIG_BYTES, b"\0")
+
+
+def encode_signature(sig: str) -> torch.Tensor:
+    """sig as SIG_BYTES bytes (uint8), zero-padded, for an all-gather."""
+    return torch.frombuffer(bytearray(_signature_bytes(sig)), dtype=torch.uint8)
+
+
+def decode_signature(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def agree(comm, sig: str, gather: Callable, payload: torch.Tensor | None = None):
+    """Return once every rank of comm has called the collective `sig`; else raise
+    CollectiveMismatch on every rank, naming who called what, before any buffer is touched.
+
+    One all-gather: gather(row) all-gathers a row of SLOT_BYTES bytes from every rank and
+    returns them, rank after rank, as one bytes-like object. A row holds the signature's text,
+    then `payload`'s bytes if it has at most FUSED_BYTES. The rows have one size on every rank
+    whatever each called, so even a mismatched agreement is a well-formed collective, and every
+    rank sees every text. Returns the rows when the payloads rode along (finish_fused folds
+    them: the collective is done, one synchronisation instead of two), else None (the caller
+    moves the payload next). Plain bytes, not tensors: on a small collective, every tensor
+    operation (microseconds each) would cost more than the bytes. comm.collectives numbers the
+    collectives.
+    """
+    comm.collectives += 1
+    mine = _signature_bytes(sig)
+    nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+    fused = payload is not None and nbytes <= FUSED_BYTES
+    data = tensor_bytes(payload) if fused else b""
+    rows = memoryview(gather(mine + data + bytes(FUSED_BYTES - len(data)))).cast("B")
+    p = comm.world_size
+    texts = [rows[i * SLOT_BYTES : i * SLOT_BYTES + SIG_BYTES] for i in range(p)]
+    if any(text != mine for text in texts):
+        sigs = [bytes(text).rstrip(b"\0").decode(errors="replace") for text in texts]
+        raise CollectiveMismatch(mismatch_message(comm, comm.collectives, sigs))
+    return rows if fused else None
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A copy of t's bytes, in row-major order (any dtype, device, strides)."""
+    if not (t.is_cpu and t.is_contiguous()):
+        t = t.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
+    nbytes = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+
+
+_NUMPY = {
+    torch.float64: np.float64, torch.float32: np.float32, torch.int64: np.int64,
+    torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
+    torch.bool: np.bool_, torch.complex64: np.complex64, torch.complex128: np.complex128,
+}  # fmt: skip
+# bool: numpy's add and maximum are logical or, minimum is logical and, as reduce_ does
+_NUMPY_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def finish_fused(rows, name: str, out: torch.Tensor, op="sum", src=0, rank=0) -> torch.Tensor:
+    """Fill `out` with this rank's result of collective `name` from the rows `agree` returned:
+    rank i's flattened input in row i. Every rank folds the same rows in rank order, so every
+    rank holds bitwise the same result."""
+    p, n = len(rows) // SLOT_BYTES, out.numel()
+    if name == "all_reduce" and out.dtype in _NUMPY and out.is_cpu and out.is_contiguous():
+        return _all_reduce_numpy(rows, out, op, p)  # the common case, without torch's overheads
+    k = {"all_gather": n // max(p, 1), "reduce_scatter": n * p}.get(name, n)  # per row
+    table = torch.frombuffer(rows, dtype=torch.uint8).view(p, SLOT_BYTES)
+    data = table[:, SIG_BYTES : SIG_BYTES + k * out.element_size()].view(out.dtype)  # (p, k)
+    if name == "all_gather":
+        result = data
+    elif name == "broadcast":
+        result = data[src]
+    else:  # all_reduce, or reduce_scatter: rank r's chunk of the rows
+        result = reduce_rows(
+            data if name == "all_reduce" else data[:, rank * n : (rank + 1) * n], op
+        )
+        if op == "avg":
+            result.div_(p)
+    return out.copy_(result.reshape(out.shape))
+
+
+def _all_reduce_numpy(rows, out: torch.Tensor, op: str, p: int) -> torch.Tensor:
+    dtype, n = _NUMPY[out.dtype], out.numel()
+    acc = np.frombuffer(rows, dtype, n, SIG_BYTES).copy()  # rank 0's row, then fold in order
+    for i in range(1, p):
+        _NUMPY_OPS[op](acc, np.frombuffer(rows, dtype, n, i * SLOT_BYTES + SIG_BYTES), out=acc)
+    if op == "avg":
+        np.divide(acc, p, out=acc)
+    if n:
+        ctypes.memmove(out.data_ptr(), acc.__array_interface__["data"][0], acc.nbytes)
+    return out
+
+
+def mismatch_message(comm, seq: int, sigs: list[str]) -> str:
+    """Name which ranks called what, grouped: 'ranks [0, 2]: all_reduce(...); rank 1: ...'."""
+    groups: dict[str, list[int]] = {}
+    for r, s in enumerate(sigs):
+        groups.setdefault(s, []).append(r)
+    parts = [
+        f"ranks {rs}: {s}" if len(rs) > 1 else f"rank {rs[0]}: {s}" for s, rs in groups.items()
+    ]
+    return f"collective #{seq} differs across the {comm.world_size} ranks of {comm.backend}: " + (
+        "; ".join(parts)
+    )
