@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 L      ?= 02
 DIR    ?= ../minidist-course
 
-.PHONY: test test-fast demo bench lab labs handout lint venv clean
+.PHONY: test test-fast demo bench gpu-check lab labs handout lint venv clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ bench: venv
 	$(VENV)/bin/minidist bench zero -n 2 4 --backend mpi
 	$(VENV)/bin/minidist bench sgd -n 4 --backend mpi
 	$(VENV)/bin/minidist bench batch
+
+# where a GPU is lent: the gpu tests, nccl all-reduce busbw, a tp block's bf16 TFLOP/s and the
+# main job on nccl with --check, under 8 minutes, one summary; without a GPU one line, exit 0
+gpu-check: venv
+	$(PY) tools/gpu_check.py
 
 # grade a learner's lab: a table of its tasks and points, from the lesson's tests run against
 # lessons/$(L)_*/lab.py; GRADE="--json out/$(L).json --junit out/$(L).xml" for an autograder
