@@ -7,8 +7,9 @@ args`), WRAPPER calling rank_main below. That small wrapper, in each rank, befor
   - opens rank{r}.alive, a FIFO the launcher reads, and holds it open: the kernel closes it
     when the process ends, however it ends, so the launcher hears the order ranks died in
     (mpiexec runs with -disable-auto-cleanup: the launcher, not mpiexec, stops the rest);
-  - registers faulthandler on SIGUSR1, writing every thread's stack into rank{r}.stack: the
-    launcher asks a rank it believes hung for its stack;
+  - registers faulthandler on SIGUSR2, writing every thread's stack into rank{r}.stack: the
+    launcher asks a rank it believes hung for its stack (SIGUSR1 is ignored: mpiexec sends it
+    to tell survivors of a failure, and its default action would kill them);
   - runs the script; when it ends, writes rank{r}.exit with its exit code (sys.exit(3): 3) at
     once, before MPI's finalize can make the process linger; a traceback before init()
     (a missing module, an init failure) goes into rank{r}.txt, as init's failure hook does.
@@ -40,7 +41,10 @@ from dataclasses import dataclass, field
 from .comm.protocol import DEFAULT_TIMEOUT
 
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-STACK_SIGNAL = signal.SIGUSR1
+STACK_SIGNAL = signal.SIGUSR2
+# mpiexec, run with -disable-auto-cleanup, tells surviving ranks of a failure by SIGUSR1; the
+# launcher handles failures, and SIGUSR1's default action would kill a rank as it exits cleanly
+MPI_NOTICE = signal.SIGUSR1
 
 
 def job_timeout(env=os.environ) -> float:
@@ -84,7 +88,8 @@ def rank_main(argv: list[str]) -> None:
     rank = next(int(os.environ[v]) for v in RANK_VARIABLES if v in os.environ)
     stack = open(os.path.join(folder, f"rank{rank}.stack"), "w")  # noqa: SIM115 (open for the life of the process)
     faulthandler.register(STACK_SIGNAL, file=stack, all_threads=True)
-    _write(folder, f"rank{rank}.pid", str(os.getpid()))  # after: SIGUSR1 would kill it before
+    signal.signal(MPI_NOTICE, signal.SIG_IGN)
+    _write(folder, f"rank{rank}.pid", str(os.getpid()))  # after: SIGUSR2 would kill it before
     _hold_lifeline(folder, rank)
     code = 0
     try:
