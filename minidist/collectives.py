@@ -53,7 +53,7 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
     return [(i * n // p, (i + 1) * n // p) for i in range(p)]
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_view(t: torch.Tensor) -> torch.Tensor:
     """t's elements as a 1-D tensor with unit stride: a view of t when its memory allows, else
     a copy. (torch calls every empty tensor contiguous, whatever its strides; backends that
     view a buffer as bytes need stride 1, so an empty one is always a fresh copy.)"""
@@ -63,7 +63,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format).view(-1)
 
 
-def _copy_back(t: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+def copy_back(t: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     """t, holding result's values: copied in unless result already is t's memory."""
     if result.data_ptr() != t.data_ptr():  # a copy (t is strided) or a work buffer
         t.detach().copy_(result.view(t.shape))
@@ -79,7 +79,7 @@ def naive_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tens
     """
     check_op(op, t.dtype)
     p, r = comm.world_size, comm.rank
-    flat = _flat(t)  # (N,)
+    flat = flat_view(t)  # (N,)
     if r == 0:
         got = torch.empty_like(flat)  # (N,)
         # receive in rank order: the fold t0 op t1 op ... is the library's order, bitwise
@@ -90,10 +90,10 @@ def naive_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tens
             flat.div_(p)  # once, at the root: every rank gets the same quotient
         for dst in range(1, p):
             comm.send(flat, dst)
-        return _copy_back(t, flat)
+        return copy_back(t, flat)
     comm.send(flat, 0)
     comm.recv(flat, 0)  # the root's result
-    return _copy_back(t, flat)
+    return copy_back(t, flat)
 
 
 def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tensor:
@@ -108,14 +108,14 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
     """
     check_op(op, t.dtype)
     p, r = comm.world_size, comm.rank
-    flat = _flat(t)  # (N,)
+    flat = flat_view(t)  # (N,)
     acc, got = flat, torch.empty_like(flat)  # (N,) each; they swap roles, never copy
     q = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - q
     if r < 2 * extra and r % 2 == 0:
         comm.send(acc, r + 1)  # sit out: the odd partner reduces for both of us
         comm.recv(acc, r + 1)  # ... and sends the final result back
-        return _copy_back(t, acc.div_(p) if op == "avg" else acc)
+        return copy_back(t, acc.div_(p) if op == "avg" else acc)
     if r < 2 * extra:
         comm.recv(got, r - 1)
         reduce_(got, acc, op)  # the lower rank's value first (see below)
@@ -143,10 +143,10 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
     # lab 02.3 end
     if r < 2 * extra:
         comm.send(acc, r - 1)  # the sum, undivided: the partner divides it just like we do
-    return _copy_back(t, acc.div_(p) if op == "avg" else acc)
+    return copy_back(t, acc.div_(p) if op == "avg" else acc)
 
 
-def _ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
+def ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
     """Reduce-scatter buf (N,) in place around the ring; afterwards this rank's chunk of buf,
     buf[lo_r:hi_r] with chunk_bounds, holds the reduction over all ranks (not divided for
     "avg"). The other chunks hold partial sums. p-1 steps, each sends one chunk to rank+1 and
@@ -202,7 +202,7 @@ def _recv_reduce_pieces(
     return acc
 
 
-def _ring_all_gather_flat(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
+def ring_all_gather_flat(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     """All-gather buf (N,) in place around the ring: rank r's chunk buf[lo_r:hi_r] must be valid
     on entry; afterwards every chunk is, on every rank. p-1 steps, each sends the chunk received
     in the previous step (s=0: its own) to rank+1 and receives the next one from rank-1."""
@@ -231,13 +231,13 @@ def ring_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tenso
     """
     check_op(op, t.dtype)
     p, r = comm.world_size, comm.rank
-    flat = _flat(t)  # (N,); reduced in place: the ring needs no second full-size buffer
-    _ring_reduce_scatter_flat(flat, comm, op)
+    flat = flat_view(t)  # (N,); reduced in place: the ring needs no second full-size buffer
+    ring_reduce_scatter_flat(flat, comm, op)
     if op == "avg":
         lo, hi = chunk_bounds(flat.numel(), p)[r]
         flat[lo:hi].div_(p)  # one division per element, before the copies: every rank agrees
-    _ring_all_gather_flat(flat, comm)
-    return _copy_back(t, flat)
+    ring_all_gather_flat(flat, comm)
+    return copy_back(t, flat)
 
 
 def ring_reduce_scatter(
@@ -261,9 +261,9 @@ def ring_reduce_scatter(
             f"{out.dtype}"
         )
     buf = inp.detach().clone(memory_format=torch.contiguous_format).view(-1)  # (N,): inp stays
-    _ring_reduce_scatter_flat(buf, comm, op)
+    ring_reduce_scatter_flat(buf, comm, op)
     mine = buf[lo:hi]  # (hi - lo,)
-    return _copy_back(out, mine.div_(p) if op == "avg" else mine)
+    return copy_back(out, mine.div_(p) if op == "avg" else mine)
 
 
 def ring_all_gather(out: torch.Tensor, inp: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -281,10 +281,10 @@ def ring_all_gather(out: torch.Tensor, inp: torch.Tensor, comm: Comm) -> torch.T
             f"ring_all_gather: inp must hold rank {r}'s chunk of out: {hi - lo} x {out.dtype} "
             f"(out.numel()={out.numel()}, world_size={p}), got {inp.numel()} x {inp.dtype}"
         )
-    flat = _flat(out)  # (N,)
+    flat = flat_view(out)  # (N,)
     flat[lo:hi] = inp.detach().reshape(-1)
-    _ring_all_gather_flat(flat, comm)
-    return _copy_back(out, flat)
+    ring_all_gather_flat(flat, comm)
+    return copy_back(out, flat)
 
 
 def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
@@ -297,7 +297,7 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
     check_peer(comm, src, "src")
     p = comm.world_size
     v = (comm.rank - src) % p
-    flat = _flat(t)  # (N,)
+    flat = flat_view(t)  # (N,)
     mask = 1
     while mask < p:
         if v & mask:
@@ -311,7 +311,7 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
         if v + mask < p:
             comm.send(flat, (v + mask + src) % p)
         mask >>= 1
-    return _copy_back(t, flat)
+    return copy_back(t, flat)
 
 
 def all_to_all(

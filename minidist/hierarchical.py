@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 
 from minidist.collectives import (
-    _copy_back,
-    _flat,
-    _ring_all_gather_flat,
-    _ring_reduce_scatter_flat,
     chunk_bounds,
+    copy_back,
+    flat_view,
+    ring_all_gather_flat,
     ring_all_reduce,
+    ring_reduce_scatter_flat,
 )
 from minidist.comm.protocol import Comm, check_op
 
@@ -56,12 +56,12 @@ def hierarchical_all_reduce(
     Sends 2 (g-1)/g N b in the node and 2 (n-1)/n N b / g across (the flat ring: 2 (p-1)/p N b).
     """
     check_op(op, t.dtype)
-    flat = _flat(t)  # (N,)
+    flat = flat_view(t)  # (N,)
     inner = "sum" if op == "avg" else op  # divide once, by p, after step 2
-    _ring_reduce_scatter_flat(flat, node_comm, inner)
+    ring_reduce_scatter_flat(flat, node_comm, inner)
     lo, hi = chunk_bounds(flat.numel(), node_comm.world_size)[node_comm.rank]
     ring_all_reduce(flat[lo:hi], cross_comm, inner)  # (N/g,) a view of flat: reduced in place
     if op == "avg":  # before the all-gather: every rank gets the same quotients
         flat[lo:hi].div_(node_comm.world_size * cross_comm.world_size)
-    _ring_all_gather_flat(flat, node_comm)
-    return _copy_back(t, flat)
+    ring_all_gather_flat(flat, node_comm)
+    return copy_back(t, flat)
