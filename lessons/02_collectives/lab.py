@@ -42,11 +42,9 @@ from minidist.comm.protocol import Comm, Work, check_op, check_peer, reduce_
 
 ALGORITHMS = ("naive", "recursive_doubling", "ring")
 # all_reduce(algorithm="auto") switches to the ring from this many bytes on. Measured with
-# `minidist bench allreduce -n 2 --backend mpi` on a 2-core machine: recursive doubling (1
-# exchange) beat the ring (2 steps) up to 1 MiB, they tied at 2 MiB, the ring won from 4 MiB;
-# again on 2026-12-03 (shared, loaded VM; lesson 02's table): recursive doubling / ring time
-# 0.29-0.84 up to 1 MiB, 1.46-1.55 at 4 MiB. With more ranks the ring wins earlier (log2(p) N
-# bytes per rank against 2 (p-1)/p N); on GPUs NCCL picks its own algorithm (lesson 02)
+# `minidist bench allreduce -n 2 --backend mpi` (2-core VM, 2026-12-03, lesson 02's table):
+# recursive doubling / ring time 0.29-0.84 up to 1 MiB, 1.46-1.55 at 4 MiB. With more ranks the
+# ring wins earlier (log2(p) N bytes per rank against 2 (p-1)/p N); NCCL picks its own (lesson 02)
 RING_FROM_BYTES = 2 << 20
 # the ring moves a chunk in pieces of at most this many bytes, received into two reused slots:
 # a scratch buffer as large as a chunk would be allocated, and page-faulted, on every call
