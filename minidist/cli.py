@@ -20,8 +20,9 @@ from .schedule_cli import add_schedule_command
 from .watchdog import job_timeout
 
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
-MAY_BE_ZERO = {"warmup", "save_every", "stop_at", "seed", "zero", "staleness", "delay", "spike",
-               "chance", "compute", "target", "weight_decay"}  # fmt: skip
+MAY_BE_ZERO = set(
+    "warmup save_every stop_at seed zero staleness delay spike chance compute target weight_decay".split()
+)
 
 
 def numeric_problems(args: argparse.Namespace) -> list[str]:

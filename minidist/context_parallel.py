@@ -284,8 +284,9 @@ def ring_attention(q, k, v, cp_comm, layout: str = "zigzag", stats: dict | None 
         chunk_size(n * cp, cp, layout)
     except ValueError as e:
         raise ValueError(f"q, k, v hold {n} tokens per rank: {e}") from None
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_comm, layout,
-                               stats)  # fmt: skip
+    return RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), cp_comm, layout, stats
+    )
 
 
 # ---- a layer: projections around the ring ------------------------------------------------------
@@ -300,8 +301,9 @@ class ContextParallelSelfAttention(nn.Module):
     gradient over cp, as data parallelism does over dp). Weights drawn as nn.Linear draws them,
     U(-1/sqrt(D), 1/sqrt(D)), from torch.Generator(seed): the same on every rank."""
 
-    def __init__(self, d_model: int, n_heads: int, cp_comm, layout: str = "zigzag",
-                 seed: int = 0, dtype=None):  # fmt: skip
+    def __init__(
+        self, d_model: int, n_heads: int, cp_comm, layout: str = "zigzag", seed: int = 0, dtype=None
+    ):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")

@@ -103,8 +103,16 @@ def switch_aux_loss(probs: torch.Tensor, first: torch.Tensor, alpha: float) -> t
 class Router(nn.Module):
     """A linear gate (E, D) and top-k routing with capacity; replicated on every rank."""
 
-    def __init__(self, d: int, n_experts: int, k: int, capacity_factor: float | None,
-                 alpha: float = SWITCH_ALPHA, seed: int = 0, dtype=torch.float64):  # fmt: skip
+    def __init__(
+        self,
+        d: int,
+        n_experts: int,
+        k: int,
+        capacity_factor: float | None,
+        alpha: float = SWITCH_ALPHA,
+        seed: int = 0,
+        dtype=torch.float64,
+    ):
         super().__init__()
         if k not in (1, 2) or k > n_experts:
             raise ValueError(f"k={k} must be 1 or 2 and at most n_experts={n_experts}")
@@ -173,9 +181,17 @@ class MoE(nn.Module):
     (default: one group), each routed with its own capacity and auxiliary loss; y (N, D), aux
     the sum of the groups' losses."""
 
-    def __init__(self, d: int, d_ff: int, n_experts: int, k: int = 1,
-                 capacity_factor: float | None = 1.25, alpha: float = SWITCH_ALPHA,
-                 seed: int = 0, dtype=torch.float64):  # fmt: skip
+    def __init__(
+        self,
+        d: int,
+        d_ff: int,
+        n_experts: int,
+        k: int = 1,
+        capacity_factor: float | None = 1.25,
+        alpha: float = SWITCH_ALPHA,
+        seed: int = 0,
+        dtype=torch.float64,
+    ):
         super().__init__()
         self.router = Router(d, n_experts, k, capacity_factor, alpha, seed, dtype)
         self.experts = nn.ModuleList(Expert(d, d_ff, seed, e, dtype) for e in range(n_experts))
@@ -214,9 +230,18 @@ class ExpertParallelMoE(nn.Module):
     rank or on none (autograd skips the dispatch's backward all-to-all where it does not).
     Built from the same seed as MoE, expert e here is MoE's expert e."""
 
-    def __init__(self, d: int, d_ff: int, n_experts: int, ep_comm, k: int = 1,
-                 capacity_factor: float | None = 1.25, alpha: float = SWITCH_ALPHA,
-                 seed: int = 0, dtype=torch.float64):  # fmt: skip
+    def __init__(
+        self,
+        d: int,
+        d_ff: int,
+        n_experts: int,
+        ep_comm,
+        k: int = 1,
+        capacity_factor: float | None = 1.25,
+        alpha: float = SWITCH_ALPHA,
+        seed: int = 0,
+        dtype=torch.float64,
+    ):
         super().__init__()
         p = ep_comm.world_size
         if n_experts % p:

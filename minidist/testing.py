@@ -273,9 +273,18 @@ def check_all(comm, pairs: dict, rtol: float = 0.0, atol: float = 0.0, context: 
 
 ops = st.sampled_from(OPS)
 all_dtypes = st.sampled_from(
-    [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-     torch.int8, torch.uint8, torch.bool]
-)  # fmt: skip
+    [
+        torch.float64,
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    ]
+)
 float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])
 seeds = st.integers(0, 2**31 - 1)
 

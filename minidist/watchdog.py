@@ -262,8 +262,10 @@ class Watch:
         done = min((r for r in self.ranks if r.ended is not None), key=lambda r: r.ended)
         stacks = self.stacks(running)
         names = [r.rank for r in running]
-        why = (f"hung: still running {time.monotonic() - done.ended:.1f}s after rank {done.rank} "
-               f"finished (timeout {self.timeout:g}s); ranks still running: {names}\n")  # fmt: skip
+        why = (
+            f"hung: still running {time.monotonic() - done.ended:.1f}s after rank {done.rank} "
+            f"finished (timeout {self.timeout:g}s); ranks still running: {names}\n"
+        )
         return Outcome(1, names[0], why + _stack_text(stacks.get(names[0], "")), how="hung")
 
     def _failed(self) -> Outcome:
@@ -306,8 +308,9 @@ class Watch:
                 names = ", ".join(str(r.rank) for r in waited)
                 last = texts[waited[0].rank].strip().splitlines()[-1]
                 why = f"hung: no progress while rank(s) {names} waited for it: {last}\n"
-                return Outcome(1, hung[0].rank, why + _stack_text(stacks.get(hung[0].rank, "")),
-                               how="hung")  # fmt: skip
+                return Outcome(
+                    1, hung[0].rank, why + _stack_text(stacks.get(hung[0].rank, "")), how="hung"
+                )
             gone = [r for r in self.ranks if r.rank in peers and r.code == 0]
             if gone:  # it left while a peer still needed it
                 why = f"ended (exit code 0) while rank {waited[0].rank} still waited for it:\n"

@@ -93,10 +93,17 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 _NUMPY = {
-    torch.float64: np.float64, torch.float32: np.float32, torch.int64: np.int64,
-    torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
-    torch.bool: np.bool_, torch.complex64: np.complex64, torch.complex128: np.complex128,
-}  # fmt: skip
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
 # bool: numpy's add and maximum are logical or, minimum is logical and, as reduce_ does
 _NUMPY_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 

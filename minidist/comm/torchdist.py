@@ -86,8 +86,9 @@ def init_process_group(
     wait = datetime.timedelta(seconds=timeout + 30)  # ours fires first and names the operation
     try:
         store = _store(rank, world_size, addr, port, wait)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=wait)  # fmt: skip
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=wait
+        )
     except CommError:
         raise
     except RuntimeError as e:  # torch raises DistStoreError, a RuntimeError, after the timeout
@@ -195,10 +196,13 @@ class TorchDistComm(Blocking):
         return t if t.is_contiguous() else t.contiguous()
 
     def _issue(self, what: str, peer, start, *args, **kwargs):
-        """start(*args, **kwargs), a torch.distributed call. Gloo may fail at once when a peer
-        has died (its connection is closed): that is a PeerFailed, as it would be in wait()."""
+        """start(*args, group=this comm's group, **kwargs), a torch.distributed call (async_op
+        for a collective). Gloo may fail at once when a peer has died (its connection is
+        closed): that is a PeerFailed, as it would be in wait()."""
+        if start not in (dist.isend, dist.irecv):
+            kwargs["async_op"] = True
         try:
-            return start(*args, **kwargs)
+            return start(*args, group=self.group, **kwargs)
         except RuntimeError as e:
             if not any(word in str(e) for word in ("closed", "reset", "Broken pipe")):
                 raise
@@ -219,8 +223,9 @@ class TorchDistComm(Blocking):
         if dst == self.rank:  # Gloo cannot send to itself
             return self.to_self.send(t, tag)
         frame, what = _frame(t), f"send(tag={tag})"
-        work = self._issue(what, dst, dist.isend, frame, self._global(dst), group=self.group,
-                           tag=tag * CLASSES + _size_class(t))  # fmt: skip
+        work = self._issue(
+            what, dst, dist.isend, frame, self._global(dst), tag=tag * CLASSES + _size_class(t)
+        )
         done = self._work(work, what, dst)
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
         # it is waited for, so a sender that raises (or forgets) still delivers what it started
@@ -235,8 +240,7 @@ class TorchDistComm(Blocking):
             return self.to_self.recv(t, tag, self.seq)
         k, what, seq = _size_class(t), f"recv(tag={tag})", self.seq
         frame = torch.empty(1 << k, dtype=torch.uint8, device=t.device)  # any frame of class k
-        work = self._issue(what, src, dist.irecv, frame, self._global(src), group=self.group,
-                           tag=tag * CLASSES + k)  # fmt: skip
+        work = self._issue(what, src, dist.irecv, frame, self._global(src), tag=tag * CLASSES + k)
         done = self._work(work, what, src, lambda: self._unframe(frame, t, src, tag, seq))
         done.inner.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
         return done
@@ -264,8 +268,7 @@ class TorchDistComm(Blocking):
             return DoneWork()
         dense = self._dense(t)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
-        work = self._issue("all_reduce", None, dist.all_reduce, dense, op=reduce_op,
-                           group=self.group, async_op=True)  # fmt: skip
+        work = self._issue("all_reduce", None, dist.all_reduce, dense, op=reduce_op)
 
         def finish():
             if op == "avg":  # a sum then one division: the same numbers on every backend
@@ -285,8 +288,9 @@ class TorchDistComm(Blocking):
             return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
-        work = self._issue("reduce_scatter", None, _reduce_scatter_flat, dst.reshape(-1), src,
-                           op=reduce_op, group=self.group, async_op=True)  # fmt: skip
+        work = self._issue(
+            "reduce_scatter", None, _reduce_scatter_flat, dst.reshape(-1), src, op=reduce_op
+        )
 
         def finish():
             if op == "avg":
@@ -303,8 +307,7 @@ class TorchDistComm(Blocking):
             finish_fused(rows, "all_gather", out)
             return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
-        work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src,
-                           group=self.group, async_op=True)  # fmt: skip
+        work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src)
         return self._work(work, "all_gather", finish=self._back(dst, out))
 
     def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
@@ -315,8 +318,7 @@ class TorchDistComm(Blocking):
             finish_fused(rows, "broadcast", t, src=src)
             return DoneWork()
         dense = self._dense(t)
-        work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src),
-                           group=self.group, async_op=True)  # fmt: skip
+        work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src))
         return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
 
     def barrier(self) -> None:
@@ -329,8 +331,7 @@ class TorchDistComm(Blocking):
         def gather(row: bytes):
             mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
             rows = torch.empty(self.world_size * SLOT_BYTES, dtype=torch.uint8, device=self.device)
-            work = self._issue(what, None, _all_gather_flat, rows, mine, group=self.group,
-                               async_op=True)  # fmt: skip
+            work = self._issue(what, None, _all_gather_flat, rows, mine)
             _TorchWork(self, work, what, self.seq).wait()
             return rows.cpu().numpy()
 
