@@ -21,8 +21,8 @@ from .watchdog import job_timeout
 
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
 MAY_BE_ZERO = set(
-    "warmup save_every stop_at seed zero staleness delay spike chance compute target".split()
-    + ["weight_decay"]
+    "warmup save_every stop_at seed zero staleness delay spike chance compute target "
+    "weight_decay".split()
 )
 
 
