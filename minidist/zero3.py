@@ -65,12 +65,6 @@ from torch.utils._pytree import tree_leaves
 
 from minidist.amp import Precision
 
-# re-exported: the main job and bench_zero import ZeRO's accounting from here (zero_cost.py)
-from minidist.memory import storage_nbytes as storage_nbytes
-from minidist.zero_cost import memory_nbytes as memory_nbytes
-from minidist.zero_cost import model_state_nbytes as model_state_nbytes
-from minidist.zero_cost import sent_nbytes as sent_nbytes
-
 
 class Unit:
     """Parameters sharded together: a flat buffer (p S,) of them all (the parameters become

@@ -84,7 +84,6 @@ COMPOSED = {
     ("zero", "zero_state"): "the optimizer over the pieces, state_dict and load_state_dict",
     ("zero", "amp"): "ZeRO composes mixed precision: Precision, LossScaler, skip_step",
     ("zero3", "amp"): "a Unit keeps its master shard in Precision.master",
-    ("zero3", "zero_cost"): "re-exports the accounting the main job and bench_zero import",
 }
 
 

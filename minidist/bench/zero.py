@@ -12,7 +12,7 @@ gradient shards; reduce-scatter in float32, all-gathers in bfloat16). For each w
 
 - MB held per rank, counted: parameters, gradients, optimizer state, the largest seen between
   the phases of a step (after forward, backward, gradient sync, optimizer step), next to
-  zero3.model_state_nbytes (the paper's formula with K = k b bytes of optimizer state; bf16:
+  zero_cost.model_state_nbytes (the paper's formula with K = k b bytes of optimizer state; bf16:
   with m = 4 bytes of master, its K = (1 + k) m, the float32 master counted as the paper does);
   the gradients counted right after backward and after the gradient sync, before the step;
 - peak RSS growth: the process's resident memory high-water mark during the timed steps minus
@@ -21,7 +21,7 @@ gradient shards; reduce-scatter in float32, all-gathers in bfloat16). For each w
   with one rank per process (mpi, gloo); the ranks run with MALLOC_MMAP_THRESHOLD_ fixed so
   large tensors go back to the system when freed;
 - MB sent per step by this rank, counted by an ObservedComm around the ring collectives (every
-  byte is a send), next to zero3.sent_nbytes plus the used-flags (one float32 per parameter;
+  byte is a send), next to zero_cost.sent_nbytes plus the used-flags (one float32 per parameter;
   bf16 rows: and one float32 all-reduce of the overflow flag, a library call, not counted);
 - step time: the median over --steps timed steps, the slowest rank's.
 
@@ -42,7 +42,7 @@ import time
 import torch
 from torch import nn
 
-from minidist import zero, zero3
+from minidist import zero, zero_cost
 from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel import DataParallelBucketed
@@ -110,7 +110,7 @@ def _build(comm, stage: int, precision: str, cfg: argparse.Namespace):
         z.step()
         z.zero_grad()
 
-    return z, z.finish_gradient_sync, update, lambda: zero3.memory_nbytes(z)
+    return z, z.finish_gradient_sync, update, lambda: zero_cost.memory_nbytes(z)
 
 
 def bench_stage(comm, stage: int, precision: str, cfg: argparse.Namespace) -> dict:
@@ -163,8 +163,8 @@ def formulas(stage: int, numel: int, n_params: int, p: int, precision: str = "fp
     flags = 2 * (p - 1) / p * n_params * 4 if p > 1 else 0  # ring all-reduce of the used-flags
     b, m = (4, 0) if precision == "fp32" else (2, 4)
     return {
-        "held": zero3.model_state_nbytes(stage, numel, p, b, 2, m),
-        "sent": zero3.sent_nbytes(stage, numel, p, b, m) + flags,
+        "held": zero_cost.model_state_nbytes(stage, numel, p, b, 2, m),
+        "sent": zero_cost.sent_nbytes(stage, numel, p, b, m) + flags,
     }
 
 
@@ -192,7 +192,7 @@ def format_table(result: dict) -> str:
             f"{row['sent'] / MB:7.1f} ({want['sent'] / MB:6.1f})"
             f"{row['step_ms']:9.1f}{ratio:8.2f}{sent:7.2f}{row['step_ms'] / base['step_ms']:7.2f}"
         )
-    paper = [sum(zero3.model_state_nbytes(s, numel, p, 2, 6).values()) / MB for s in STAGES]
+    paper = [sum(zero_cost.model_state_nbytes(s, numel, p, 2, 6).values()) / MB for s in STAGES]
     lines.append(
         "# the paper's mixed precision (2 + 2 + 12 bytes per element), MB per rank, stages "
         "0..3: " + " / ".join(f"{m:.1f}" for m in paper)

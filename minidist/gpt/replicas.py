@@ -37,8 +37,9 @@ from torch import nn
 from minidist import zero as zero_
 from minidist.amp import LossScaler, MixedPrecisionOptimizer
 from minidist.data_parallel import DataParallelBucketed
+from minidist.memory import storage_nbytes
 from minidist.tensor_parallel_blocks import VocabParallelEmbedding
-from minidist.zero3 import memory_nbytes, storage_nbytes
+from minidist.zero_cost import memory_nbytes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter element
 EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # lookup tables, whole or cut over tp
