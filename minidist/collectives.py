@@ -13,6 +13,7 @@ Communication per step, per rank (p ranks, N elements of b bytes, only point-to-
                         bytes, n_rr of them for this rank itself
 Memory per rank: naive and recursive doubling N b extra, the ring 2 pieces (at most
 2 PIECE_BYTES) extra; N b more when the tensor is not contiguous (a contiguous copy).
+Tags: each collective's messages carry its own (comm/tagged.py): never taken by another one.
 Ladder: naive (root folds in rank order) -> recursive_doubling (log2 p rounds, for small
 messages) -> ring_reduce_scatter + ring_all_gather = ring_all_reduce (bandwidth-optimal) ->
 all_reduce picks by size -> Launcher (start one without waiting: the library's own, or the
@@ -32,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from minidist.comm.protocol import Comm, Work, check_op, check_peer, reduce_
+from minidist.comm.tagged import TAGS, tagged
 
 ALGORITHMS = ("naive", "recursive_doubling", "ring")
 # all_reduce(algorithm="auto") switches to the ring from this many bytes on. Measured with
@@ -52,9 +54,8 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as a 1-D tensor with unit stride: a view of t when its memory allows, else
-    a copy. (torch calls every empty tensor contiguous, whatever its strides; backends that
-    view a buffer as bytes need stride 1, so an empty one is always a fresh copy.)"""
+    """t's elements as a 1-D tensor with unit stride: a view of t when its memory allows, else a
+    copy (always for an empty t: torch calls it contiguous whatever its strides)."""
     t = t.detach()
     if t.is_contiguous() and t.numel() > 0:
         return t.view(-1)
@@ -76,6 +77,7 @@ def naive_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tens
     through rank 0: its link carries (p-1) times what a ring link carries.
     """
     check_op(op, t.dtype)
+    comm = tagged(comm, TAGS["naive_all_reduce"])
     p, r = comm.world_size, comm.rank
     flat = flat_view(t)  # (N,)
     if r == 0:
@@ -105,6 +107,7 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
     log2(q) exchanges, plus one each way on the 2e paired ranks.
     """
     check_op(op, t.dtype)
+    comm = tagged(comm, TAGS["recursive_doubling_all_reduce"])
     p, r = comm.world_size, comm.rank
     flat = flat_view(t)  # (N,)
     acc, got = flat, torch.empty_like(flat)  # (N,) each; they swap roles, never copy
@@ -145,10 +148,9 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
 
 
 def ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
-    """Reduce-scatter buf (N,) in place around the ring; afterwards this rank's chunk of buf,
-    buf[lo_r:hi_r] with chunk_bounds, holds the reduction over all ranks (not divided for
-    "avg"). The other chunks hold partial sums. p-1 steps, each sends one chunk to rank+1 and
-    receives one from rank-1, in pieces of at most PIECE_BYTES."""
+    """Reduce-scatter buf (N,) in place around the ring: afterwards buf[lo_r:hi_r] (chunk_bounds)
+    holds the reduction over all ranks (undivided for "avg"), the others partial sums. p-1
+    steps: one chunk to rank+1 and one from rank-1 each, in pieces of at most PIECE_BYTES."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     bounds = chunk_bounds(buf.numel(), p)
@@ -187,11 +189,9 @@ def _recv_reduce_pieces(
     """
     n = acc.numel()
     starts = range(0, n, piece)
-    pending = {}
+    pending = {0: comm.irecv(scratch[0, : min(piece, n)], src)} if n else {}
     for j, i in enumerate(starts):
         m = min(piece, n - i)
-        if j == 0:
-            pending[0] = comm.irecv(scratch[0, :m], src)
         if j + 1 < len(starts):  # slot (j+1)%2 held piece j-1, already reduced
             m_next = min(piece, n - starts[j + 1])
             pending[j + 1] = comm.irecv(scratch[(j + 1) % 2, :m_next], src)
@@ -228,6 +228,7 @@ def ring_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tenso
     all (for N divisible by p), all to rank+1; receives as many from rank-1.
     """
     check_op(op, t.dtype)
+    comm = tagged(comm, TAGS["ring_all_reduce"])  # both halves: see comm/tagged.py
     p, r = comm.world_size, comm.rank
     flat = flat_view(t)  # (N,); reduced in place: the ring needs no second full-size buffer
     ring_reduce_scatter_flat(flat, comm, op)
@@ -250,14 +251,12 @@ def ring_reduce_scatter(
     messages to rank+1, (p-1)/p N b in all.
     """
     check_op(op, inp.dtype)
+    comm = tagged(comm, TAGS["ring_reduce_scatter"])
     p, r = comm.world_size, comm.rank
     lo, hi = chunk_bounds(inp.numel(), p)[r]
-    if out.numel() != hi - lo or out.dtype != inp.dtype:
-        raise ValueError(
-            f"ring_reduce_scatter: out must hold rank {r}'s chunk of inp: {hi - lo} x "
-            f"{inp.dtype} (inp.numel()={inp.numel()}, world_size={p}), got {out.numel()} x "
-            f"{out.dtype}"
-        )
+    if out.numel() != hi - lo or out.dtype != inp.dtype:  # rank r's chunk of inp
+        got = f"{out.numel()} x {out.dtype} (rank {r}, inp.numel()={inp.numel()}, world_size={p})"
+        raise ValueError(f"ring_reduce_scatter: out must be {hi - lo} x {inp.dtype}, got {got}")
     buf = inp.detach().clone(memory_format=torch.contiguous_format).view(-1)  # (N,): inp stays
     ring_reduce_scatter_flat(buf, comm, op)
     mine = buf[lo:hi]  # (hi - lo,)
@@ -272,13 +271,12 @@ def ring_all_gather(out: torch.Tensor, inp: torch.Tensor, comm: Comm) -> torch.T
     rank i's inp, on every rank. When p divides N this is exactly comm.all_gather(out, inp).
     Sends p-1 messages to rank+1, (p-1)/p N b in all.
     """
+    comm = tagged(comm, TAGS["ring_all_gather"])
     p, r = comm.world_size, comm.rank
     lo, hi = chunk_bounds(out.numel(), p)[r]
-    if inp.numel() != hi - lo or out.dtype != inp.dtype:
-        raise ValueError(
-            f"ring_all_gather: inp must hold rank {r}'s chunk of out: {hi - lo} x {out.dtype} "
-            f"(out.numel()={out.numel()}, world_size={p}), got {inp.numel()} x {inp.dtype}"
-        )
+    if inp.numel() != hi - lo or out.dtype != inp.dtype:  # rank r's chunk of out
+        got = f"{inp.numel()} x {inp.dtype} (rank {r}, out.numel()={out.numel()}, world_size={p})"
+        raise ValueError(f"ring_all_gather: inp must be {hi - lo} x {out.dtype}, got {got}")
     flat = flat_view(out)  # (N,)
     flat[lo:hi] = inp.detach().reshape(-1)
     ring_all_gather_flat(flat, comm)
@@ -293,6 +291,7 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
     farthest first. ceil(log2 p) rounds; every rank but src receives N b once; p-1 messages.
     """
     check_peer(comm, src, "src")
+    comm = tagged(comm, TAGS["broadcast"])
     p = comm.world_size
     v = (comm.rank - src) % p
     flat = flat_view(t)  # (N,)
@@ -321,6 +320,7 @@ def all_to_all(
     rank 1's, ...; recv_counts[i] = rank i's send_counts[rank], exchanged first unless given
     (a backward knows them). Step s = 1..p-1 sends to rank+s, receives from rank-s.
     """
+    comm = tagged(comm, TAGS["all_to_all"])
     p, r = comm.world_size, comm.rank
     n = x.shape[0] if x.dim() else "0-d"
     if len(send_counts) != p or min(send_counts) < 0 or sum(send_counts) != n:

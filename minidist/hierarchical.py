@@ -33,6 +33,7 @@ from minidist.collectives import (
     ring_reduce_scatter_flat,
 )
 from minidist.comm.protocol import Comm, check_op
+from minidist.comm.tagged import TAGS, tagged
 
 
 def node_comms(comm: Comm, ranks_per_node: int) -> tuple[Comm, Comm]:
@@ -56,6 +57,8 @@ def hierarchical_all_reduce(
     Sends 2 (g-1)/g N b in the node and 2 (n-1)/n N b / g across (the flat ring: 2 (p-1)/p N b).
     """
     check_op(op, t.dtype)
+    # its own tag in the node; across, ring_all_reduce tags its messages itself
+    node_comm = tagged(node_comm, TAGS["hierarchical_all_reduce"])
     flat = flat_view(t)  # (N,)
     inner = "sum" if op == "avg" else op  # divide once, by p, after step 2
     ring_reduce_scatter_flat(flat, node_comm, inner)

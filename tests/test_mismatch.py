@@ -148,6 +148,56 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
         assert seen[r]["ring shape"].startswith("CommError: rank"), seen[r]["ring shape"]
 
 
+def different_collectives(comm) -> dict[str, str]:
+    """Rank 0 and rank 1 in two hand-written collectives whose messages would fit each other's
+    buffers: each collective's messages carry its own tag, so nothing matches and each rank
+    times out (in 2 s) naming its collective and, where the backend sees it, the other one."""
+    coll = impl("collectives")
+    drills = {
+        "ring_all_reduce / ring_all_gather": (
+            lambda c: coll.ring_all_reduce(torch.ones(4), c),
+            lambda c: coll.ring_all_gather(torch.empty(4), torch.ones(2), c),
+        ),
+        "recursive_doubling_all_reduce / ring_all_reduce": (
+            lambda c: coll.recursive_doubling_all_reduce(torch.ones(4), c),
+            lambda c: coll.ring_all_reduce(torch.ones(4), c),
+        ),
+    }
+    seen = {}
+    for name, calls in drills.items():
+        sub = comm.split(0)  # a fresh comm per drill: the unmatched messages stay behind
+        sub.timeout = 2.0
+        seen[name] = attempt(lambda sub=sub, calls=calls: calls[comm.rank](sub))
+    return seen
+
+
+def check_different_collectives(seen: list[dict[str, str]], backend: str) -> None:
+    for name in seen[0]:
+        names = name.split(" / ")
+        for r in (0, 1):
+            mine, other = names[r], names[1 - r]
+            error = seen[r][name]
+            assert error.startswith(f"CommTimeout: rank {r} of 2 ({backend}): "), error
+            assert f"; waiting in {mine};" in error, error
+            if backend == "gloo":
+                assert f"this backend cannot see what rank {1 - r} sent instead" in error, error
+            else:
+                assert f"rank {1 - r} sent this rank " in error and f" from {other}," in error
+                assert error.endswith("; the ranks called different collectives"), error
+
+
+@pytest.mark.threads
+def test_different_hand_written_collectives_time_out_naming_both():
+    check_different_collectives(run_ranks(different_collectives, 2, "threads"), "threads")
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_different_hand_written_collectives_time_out_naming_both_processes(backend):
+    seen = run_ranks(different_collectives, 2, backend, timeout=60)
+    check_different_collectives(seen, backend)
+
+
 def listening_addresses(port: int) -> set[str]:
     """The local addresses (hex, as /proc/net/tcp writes them) listening on `port`."""
     found = set()

@@ -49,6 +49,7 @@ from minidist.comm.protocol import (
     describe,
     reduce_rows,
 )
+from minidist.comm.tagged import timeout_note
 
 
 class ThreadsWorld:
@@ -153,9 +154,19 @@ class _RecvWork:
         pending = self.comm.pending[(self.src, self.tag)]
         if self.src == self.comm.rank and not self.done:
             self._check_self(pending)
-        while not self.done:
-            pending[0]._complete()
-            pending.popleft()
+        try:
+            while not self.done:
+                pending[0]._complete()
+                pending.popleft()
+        except CommTimeout as e:
+            raise CommTimeout(f"{e}{timeout_note(self.tag, self.src, self._unclaimed())}") from None
+
+    def _unclaimed(self) -> list[tuple[int, str]]:
+        """[(tag, '4 x torch.float32')]: src's oldest message to this rank on each other tag."""
+        with self.comm.world.cond:
+            firsts = [(key, box[0]) for key, box in self.comm.world.mailbox.items() if box]
+        link = (self.src, self.comm.rank)
+        return [(k[2], f"{m.numel()} x {m.dtype}") for k, m in firsts if k[:2] == link]
 
     def _check_self(self, pending: deque) -> None:
         """A receive from self fails at once when no message waits for it: nobody else could

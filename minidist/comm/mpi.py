@@ -42,6 +42,7 @@ from .protocol import (
     Blocking,
     CallbackWork,
     CommError,
+    CommTimeout,
     DoneWork,
     SelfMessages,
     check_gather,
@@ -53,6 +54,7 @@ from .protocol import (
     poll_until,
     reduce_rows,
 )
+from .tagged import timeout_note
 
 CODES = 16  # wire tag = tag * CODES + dtype code: MAX_TAG * CODES stays below MPICH's TAG_UB
 
@@ -86,8 +88,9 @@ def _native_type(dtype: torch.dtype):
 class _RequestWork:
     """One MPI request, waited on with a timeout; `status` (receives) tells what arrived."""
 
-    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None, keep=None):
+    def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None, keep=None, tag=None):
         self.comm, self.request, self.what, self.seq, self.peer = comm, request, what, seq, peer
+        self.tag = tag  # a message's: its timeout says what the peer sent instead (see wait)
         self.keep = keep  # the tensors whose memory MPI reads or writes: alive until done
         self.status = None  # a receive sets an MPI.Status: polling allocates nothing
         self.done = False
@@ -105,8 +108,15 @@ class _RequestWork:
         return describe(self.comm, self.what, self.seq, self.peer)
 
     def wait(self) -> None:
-        if not self.is_completed():
+        if self.is_completed():
+            return
+        try:
             poll_until(self.is_completed, self.comm.timeout, self.describe, self.stuck)
+        except CommTimeout as e:
+            if self.tag is None:
+                raise
+            sent = self.comm.unclaimed(self.peer)
+            raise CommTimeout(f"{e}{timeout_note(self.tag, self.peer, sent)}") from None
 
 
 def _buffer(host: torch.Tensor, mpi_type=None) -> list:
@@ -156,7 +166,7 @@ class MPIComm(Blocking):
             return self.to_self.send(t, tag)
         host = self._host(t)
         req = self.mpi_comm.Isend(_buffer(host), dst, _wire_tag(tag, t.dtype))
-        return _RequestWork(self, req, f"send(tag={tag})", self.seq, dst, keep=host)
+        return _RequestWork(self, req, f"send(tag={tag})", self.seq, dst, keep=host, tag=tag)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> CallbackWork:
         check_peer(self, src, "src")
@@ -166,7 +176,7 @@ class MPIComm(Blocking):
             return self.to_self.recv(t, tag, self.seq)
         host = self._host(t)
         req = self.mpi_comm.Irecv(_buffer(host), src, _wire_tag(tag, t.dtype))
-        work = _RequestWork(self, req, f"recv(tag={tag})", self.seq, src, keep=host)
+        work = _RequestWork(self, req, f"recv(tag={tag})", self.seq, src, keep=host, tag=tag)
         work.status = _mpi().Status()
         work.stuck = lambda: self._other_dtype(t, src, tag, work)
 
@@ -198,6 +208,16 @@ class MPIComm(Blocking):
                     f"{status.Get_count(_mpi().BYTE) // size} x {dtype_name(code)}, this rank "
                     f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
                 )
+
+    def unclaimed(self, peer: int) -> list[tuple[int, str]]:
+        """[(tag, '4 x torch.float32')]: the oldest message from peer that no receive here has
+        taken, if any (MPI's Iprobe with any tag: asked only when a wait has timed out)."""
+        status = _mpi().Status()
+        if not self.mpi_comm.Iprobe(peer, _mpi().ANY_TAG, status):
+            return []
+        tag, code = divmod(status.Get_tag(), CODES)
+        size = DTYPES[code].itemsize if code < len(DTYPES) else 1
+        return [(tag, f"{status.Get_count(_mpi().BYTE) // size} x {dtype_name(code)}")]
 
     # collectives
 

@@ -49,6 +49,7 @@ from .protocol import (
     dtype_name,
     flat_bytes,
 )
+from .tagged import timeout_note
 
 HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
 CLASSES = 64  # wire tag = tag * CLASSES + size class: MAX_TAG * CLASSES fits Gloo's 32 bits
@@ -150,6 +151,7 @@ class _TorchWork:
         self.comm, self.work, self.what, self.seq, self.peer = comm, work, what, seq, peer
         self.done = False
         self.hint = ""  # said after "timed out": what a wait this long may mean
+        self.tag = None  # a message's: its timeout names the collective it waited in
 
     def is_completed(self) -> bool:
         return self.done or self.work.is_completed()
@@ -163,8 +165,9 @@ class _TorchWork:
         except RuntimeError as e:
             where = describe(self.comm, self.what, self.seq, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
+                note = "" if self.tag is None else timeout_note(self.tag, self.peer, None)
                 raise CommTimeout(
-                    f"{where} timed out after {self.comm.timeout:g}s{self.hint}"
+                    f"{where} timed out after {self.comm.timeout:g}s{self.hint}{note}"
                 ) from e
             raise PeerFailed(f"{where} failed: {e}") from e
         self.done = True
@@ -227,6 +230,7 @@ class TorchDistComm(Blocking):
             what, dst, dist.isend, frame, self._global(dst), tag=tag * CLASSES + _size_class(t)
         )
         done = self._work(work, what, dst)
+        done.inner.tag = tag
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
         # it is waited for, so a sender that raises (or forgets) still delivers what it started
         self.sending = [w for w in self.sending if not w.done] + [done.inner]
@@ -243,6 +247,7 @@ class TorchDistComm(Blocking):
         work = self._issue(what, src, dist.irecv, frame, self._global(src), tag=tag * CLASSES + k)
         done = self._work(work, what, src, lambda: self._unframe(frame, t, src, tag, seq))
         done.inner.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
+        done.inner.tag = tag
         return done
 
     def _unframe(self, frame: torch.Tensor, t: torch.Tensor, src: int, tag: int, seq: int):
