@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.protocol import CollectiveMismatch
+from minidist.comm.tagged import TAGS, tagged
 from minidist.comm.threads import ThreadsWorld
 from minidist.comm.torchdist import init_process_group
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
@@ -242,6 +243,38 @@ def hangs_on_purpose(comm):
 def test_harness_turns_a_hang_into_a_failure_naming_ranks():
     with pytest.raises(AssertionError, match=r"ranks still running: \[0\]"):
         run_threads(hangs_on_purpose, 2, timeout=1.0, comm_timeout=30)
+
+
+@pytest.mark.threads
+def test_tagged_view_gives_its_tag_to_untagged_messages():
+    world = ThreadsWorld(2)
+    comm, peer = world.comm(0), world.comm(1)
+    view = tagged(tagged(comm, 3), 7)  # a view of a view: of the comm itself, tag 7
+    assert view.inner is comm and (view.rank, view.world_size, view.backend) == (0, 2, "threads")
+    view.send(torch.tensor([1.0]), 1)
+    view.isend(torch.tensor([2.0]), 1, tag=4).wait()  # a tag given is the caller's
+    assert peer.recv(torch.zeros(1), 0, tag=4).item() == 2.0
+    assert peer.recv(torch.zeros(1), 0, tag=7).item() == 1.0
+    assert len(set(TAGS.values())) == len(TAGS) and min(TAGS.values()) > 1000  # clear of users'
+
+
+def user_message_around_a_ring(comm):
+    """A user message (tag 0) of one ring chunk's size, sent before ring_all_reduce and
+    received after it: with one tag for both, the ring would take it as its first chunk."""
+    r, p = comm.rank, comm.world_size
+    sent = comm.isend(torch.tensor([100.0 + r]), (r + 1) % p)
+    x = torch.full((p,), float(r))  # p elements: chunks of one, as large as the message
+    impl("collectives").ring_all_reduce(x, comm)
+    got = comm.recv(torch.zeros(1), (r - 1) % p)
+    sent.wait()
+    return x.tolist(), got.item()
+
+
+@pytest.mark.threads
+def test_a_user_message_never_lands_in_a_collective():
+    p = 3
+    for r, (x, got) in enumerate(run_threads(user_message_around_a_ring, p, timeout=20)):
+        assert x == [float(sum(range(p)))] * p and got == 100.0 + (r - 1) % p, (r, x, got)
 
 
 def one_rank_disagrees(comm):
