@@ -4,6 +4,7 @@ Each backend runs every drill inside one start of its ranks (3 of them): a colle
 shape, dtype, op or kind differs on one rank; a message whose dtype or size differs from the
 receive buffer (alone and inside ring_all_reduce); a receive from self; debug mode around an
 exchange where both sides send first, and a message that debug mode finds left unreceived.
+Two ranks in different hand-written collectives (each has its own tag) time out naming both.
 The rendezvous: bound to the address given, a taken port refused at once.
 Every rank reports what it saw, and the test checks each rank's words; a correct all-reduce
 after the drills shows the comm is still in step. A hang fails in seconds (short timeouts).
