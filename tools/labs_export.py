@@ -5,6 +5,8 @@ It holds every file git tracks, except what only the instructor may see:
     instructor/              time estimates, answer keys, the guide to running the course
     tests/hidden/            hidden tests: test_labNN*.py, each test named test_NN_k_* for its task
     tests/test_labs.py       checks the labs against the reference modules (not in the copy)
+    tools/comm_speed.py      the comm's overhead per size, beside a plain mpi4py ring: lab 02's
+                             answer in 15 lines
     lessons/NN_*/lab.py      in the copy the lab *is* the module, see below
 
 and each lab's module in minidist/ is replaced by its lab (every region of its lesson cut to
@@ -23,7 +25,7 @@ import subprocess
 
 import labs
 
-PRIVATE = ("instructor/", "tests/hidden/", "tests/test_labs.py")
+PRIVATE = ("instructor/", "tests/hidden/", "tests/test_labs.py", "tools/comm_speed.py")
 
 
 def handed_out(path: str) -> bool:
