@@ -33,7 +33,7 @@ from minidist.collectives import (
     ring_reduce_scatter_flat,
 )
 from minidist.comm.protocol import Comm, check_op
-from minidist.comm.tagged import TAGS, tagged
+from minidist.comm.tagged import tag_of, tagged
 
 
 def node_comms(comm: Comm, ranks_per_node: int) -> tuple[Comm, Comm]:
@@ -58,7 +58,7 @@ def hierarchical_all_reduce(
     """
     check_op(op, t.dtype)
     # its own tag in the node; across, ring_all_reduce tags its messages itself
-    node_comm = tagged(node_comm, TAGS["hierarchical_all_reduce"])
+    node_comm = tagged(node_comm, tag_of("hierarchical_all_reduce", op))
     flat = flat_view(t)  # (N,)
     inner = "sum" if op == "avg" else op  # divide once, by p, after step 2
     ring_reduce_scatter_flat(flat, node_comm, inner)

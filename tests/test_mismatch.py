@@ -150,18 +150,23 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
 
 
 def different_collectives(comm) -> dict[str, str]:
-    """Rank 0 and rank 1 in two hand-written collectives whose messages would fit each other's
-    buffers: each collective's messages carry its own tag, so nothing matches and each rank
-    times out (in 2 s) naming its collective and, where the backend sees it, the other one."""
+    """Rank 0 and rank 1 in two hand-written collectives (or one with two reduction ops) whose
+    messages would fit each other's buffers: each collective's messages carry its own tag, so
+    nothing matches and each rank times out (in 2 s) naming its collective and, where the
+    backend sees it, the other one."""
     coll = impl("collectives")
     drills = {
-        "ring_all_reduce / ring_all_gather": (
+        "ring_all_reduce(sum) / ring_all_gather": (
             lambda c: coll.ring_all_reduce(torch.ones(4), c),
             lambda c: coll.ring_all_gather(torch.empty(4), torch.ones(2), c),
         ),
-        "recursive_doubling_all_reduce / ring_all_reduce": (
+        "recursive_doubling_all_reduce(sum) / ring_all_reduce(sum)": (
             lambda c: coll.recursive_doubling_all_reduce(torch.ones(4), c),
             lambda c: coll.ring_all_reduce(torch.ones(4), c),
+        ),
+        "ring_all_reduce(sum) / ring_all_reduce(max)": (
+            lambda c: coll.ring_all_reduce(torch.ones(4), c, "sum"),
+            lambda c: coll.ring_all_reduce(torch.ones(4), c, "max"),
         ),
     }
     seen = {}

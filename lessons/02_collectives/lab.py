@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import torch
 
 from minidist.comm.protocol import Comm, Work, check_op, check_peer, reduce_
-from minidist.comm.tagged import TAGS, tagged
+from minidist.comm.tagged import tag_of, tagged
 
 ALGORITHMS = ("naive", "recursive_doubling", "ring")
 # all_reduce(algorithm="auto") switches to the ring from this many bytes on. Measured with
@@ -84,7 +84,7 @@ def naive_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tens
     through rank 0: its link carries (p-1) times what a ring link carries.
     """
     check_op(op, t.dtype)
-    comm = tagged(comm, TAGS["naive_all_reduce"])
+    comm = tagged(comm, tag_of("naive_all_reduce", op))
     p, r = comm.world_size, comm.rank
     flat = flat_view(t)  # (N,)
     if r == 0:
@@ -114,7 +114,7 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
     log2(q) exchanges, plus one each way on the 2e paired ranks.
     """
     check_op(op, t.dtype)
-    comm = tagged(comm, TAGS["recursive_doubling_all_reduce"])
+    comm = tagged(comm, tag_of("recursive_doubling_all_reduce", op))
     p, r = comm.world_size, comm.rank
     flat = flat_view(t)  # (N,)
     acc, got = flat, torch.empty_like(flat)  # (N,) each; they swap roles, never copy
@@ -209,7 +209,7 @@ def ring_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") -> torch.Tenso
     all (for N divisible by p), all to rank+1; receives as many from rank-1.
     """
     check_op(op, t.dtype)
-    comm = tagged(comm, TAGS["ring_all_reduce"])  # both halves: see comm/tagged.py
+    comm = tagged(comm, tag_of("ring_all_reduce", op))  # both halves: see comm/tagged.py
     p, r = comm.world_size, comm.rank
     flat = flat_view(t)  # (N,); reduced in place: the ring needs no second full-size buffer
     ring_reduce_scatter_flat(flat, comm, op)
@@ -232,7 +232,7 @@ def ring_reduce_scatter(
     messages to rank+1, (p-1)/p N b in all.
     """
     check_op(op, inp.dtype)
-    comm = tagged(comm, TAGS["ring_reduce_scatter"])
+    comm = tagged(comm, tag_of("ring_reduce_scatter", op))
     p, r = comm.world_size, comm.rank
     lo, hi = chunk_bounds(inp.numel(), p)[r]
     if out.numel() != hi - lo or out.dtype != inp.dtype:  # rank r's chunk of inp
@@ -252,7 +252,7 @@ def ring_all_gather(out: torch.Tensor, inp: torch.Tensor, comm: Comm) -> torch.T
     rank i's inp, on every rank. When p divides N this is exactly comm.all_gather(out, inp).
     Sends p-1 messages to rank+1, (p-1)/p N b in all.
     """
-    comm = tagged(comm, TAGS["ring_all_gather"])
+    comm = tagged(comm, tag_of("ring_all_gather"))
     p, r = comm.world_size, comm.rank
     lo, hi = chunk_bounds(out.numel(), p)[r]
     if inp.numel() != hi - lo or out.dtype != inp.dtype:  # rank r's chunk of out
@@ -272,7 +272,7 @@ def broadcast(t: torch.Tensor, comm: Comm, src: int) -> torch.Tensor:
     farthest first. ceil(log2 p) rounds; every rank but src receives N b once; p-1 messages.
     """
     check_peer(comm, src, "src")
-    comm = tagged(comm, TAGS["broadcast"])
+    comm = tagged(comm, tag_of("broadcast"))
     p = comm.world_size
     v = (comm.rank - src) % p
     flat = flat_view(t)  # (N,)
@@ -301,7 +301,7 @@ def all_to_all(
     rank 1's, ...; recv_counts[i] = rank i's send_counts[rank], exchanged first unless given
     (a backward knows them). Step s = 1..p-1 sends to rank+s, receives from rank-s.
     """
-    comm = tagged(comm, TAGS["all_to_all"])
+    comm = tagged(comm, tag_of("all_to_all"))
     p, r = comm.world_size, comm.rank
     n = x.shape[0] if x.dim() else "0-d"
     if len(send_counts) != p or min(send_counts) < 0 or sum(send_counts) != n:

@@ -5,34 +5,46 @@ of them, rank 0 in `ring_all_reduce` and rank 1 in `ring_all_gather` (or in
 `recursive_doubling_all_reduce`) would take each other's messages wherever the sizes fit, and
 return wrong numbers. So each public collective starts with
 
-    comm = tagged(comm, TAGS["ring_all_reduce"])
+    comm = tagged(comm, tag_of("ring_all_reduce", op))
 
-and every message it sends or receives without a tag of its own carries that one: a message
-of another collective never matches, the waiting rank times out, and the timeout names the
-collective it waited in and, where the backend can see it, what the peer sent instead
-(`timeout_note`). Cost: one Python call per message (the view's send/recv/isend/irecv).
+and every message it sends or receives without a tag of its own carries that one, a tag per
+collective and reduction op: a message of another collective, or of the same one reducing with
+another op (sum on one rank, max on the other), never matches, the waiting rank times out, and
+the timeout names the collective it waited in and, where the backend can see it, what the peer
+sent instead (`timeout_note`). Cost: one Python call per message (the view's send/recv/isend/irecv).
 """
 
 from __future__ import annotations
 
-from .protocol import MAX_TAG
+from .protocol import MAX_TAG, OPS
 
 # the top of the user range: clear of tag 0 (user code's default), context_parallel's 0-3,
 # parameter_server's 81-82 and the pipeline's 3 (microbatch * n_virtual + boundary) + kind.
 # ring_all_reduce's reduce-scatter and all-gather halves send with ring_all_reduce's own tag:
 # a rank in ring_all_reduce must not match a rank in a lone ring_reduce_scatter or
 # ring_all_gather either (for "avg" they divide at other points)
+NAMES = (
+    "naive_all_reduce",
+    "recursive_doubling_all_reduce",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "broadcast",
+    "all_to_all",
+    "hierarchical_all_reduce",
+)
+# (name, op) -> tag; op None for the collectives that reduce nothing: MAX_TAG-1 .. MAX_TAG-40
 TAGS = {
-    "naive_all_reduce": MAX_TAG - 1,
-    "recursive_doubling_all_reduce": MAX_TAG - 2,
-    "ring_all_reduce": MAX_TAG - 3,
-    "ring_reduce_scatter": MAX_TAG - 4,
-    "ring_all_gather": MAX_TAG - 5,
-    "broadcast": MAX_TAG - 6,
-    "all_to_all": MAX_TAG - 7,
-    "hierarchical_all_reduce": MAX_TAG - 8,
+    (name, op): MAX_TAG - 1 - i - len(NAMES) * k
+    for k, op in enumerate((None, *OPS))
+    for i, name in enumerate(NAMES)
 }
-COLLECTIVE_OF = {tag: name for name, tag in TAGS.items()}
+COLLECTIVE_OF = {tag: name if op is None else f"{name}({op})" for (name, op), tag in TAGS.items()}
+
+
+def tag_of(name: str, op: str | None = None) -> int:
+    """The tag of collective `name` reducing with `op` (None: it reduces nothing)."""
+    return TAGS[(name, op)]
 
 
 class TaggedComm:
