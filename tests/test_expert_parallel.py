@@ -171,20 +171,14 @@ def test_expert_parallel_threads(p, case):
     run_threads(ep_matches, p, case, **FAST)
 
 
+DP_X_EP_CASE = {"e_local": 2, "k": 2, "cf": 1.0, "sizes": [5, 3], "d": 3, "f": 4}
+DP_X_EP_CASE.update(alpha=0.01, seed=4)
+
+
 @pytest.mark.threads
 @pytest.mark.parametrize("dp, ep, mesh", [(2, 1, False), (2, 2, False), (3, 2, True), (2, 3, True)])
 def test_dp_x_ep_reduces_experts_over_their_replicas_only(dp, ep, mesh):
-    case = {
-        "e_local": 2,
-        "k": 2,
-        "cf": 1.0,
-        "sizes": [5, 3],
-        "d": 3,
-        "f": 4,
-        "alpha": 0.01,
-        "seed": 4,
-    }
-    run_threads(ep_matches, dp * ep, case, dp, mesh, **FAST)
+    run_threads(ep_matches, dp * ep, DP_X_EP_CASE, dp, mesh, **FAST)
 
 
 def drops(comm) -> list[int]:
@@ -251,8 +245,11 @@ def test_bad_layouts_are_refused_with_the_numbers():
 
 
 def properties_in_ranks(comm, max_examples: int) -> int:
-    """Hypothesis inside every rank (the same cases everywhere), ep = 1..4 by splitting."""
-    return in_subworlds(comm, ep_matches, cases, max_examples)
+    """Hypothesis inside every rank (the same cases everywhere), ep = 1..4 by splitting; then
+    dp 2 x ep 2 on the mesh, experts' gradients reduced over their replicas only."""
+    count = in_subworlds(comm, ep_matches, cases, max_examples)
+    ep_matches(comm, DP_X_EP_CASE, 2, True)
+    return count
 
 
 @pytest.mark.processes
