@@ -123,6 +123,12 @@ class LiveTensorMeter(TorchDispatchMode):
         self.peak: dict[str, int] = {"total": 0}
         self.holders: dict[int, list] = {}  # storage address -> [tensors alive, nbytes, kind]
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # nothing here is compiled: without this, torch wraps __torch_dispatch__ in
+        # torch._dynamo.disable, whose first call imports the compiler (20 s on a loaded CPU)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.off:

@@ -286,6 +286,35 @@ def test_saved_activations_fall_as_one_over_cp(cp):
     assert all(s * cp == alone for s in split), (alone, split)
 
 
+def in_flight(comm, layout: str) -> dict:
+    """Peak bytes of k|v blocks and score-sized tensors alive at once in one forward, the comm's
+    own buffers (the threads backend's copies) left out."""
+    from minidist.bench.cp import Unmetered, kind_of
+    from minidist.memory import LiveTensorMeter
+
+    cpm = impl("context_parallel")
+    n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
+    q, k, v = (torch.ones(B, H, n, D, dtype=F64) for _ in range(3))
+    with LiveTensorMeter(kind_of((B, H, n, D), M)) as meter:
+        cpm.ring_attention(q, k, v, Unmetered(comm, meter), layout)
+    return meter.peak
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+def test_peak_memory_in_flight_matches_the_formula(layout):
+    """Two k|v blocks (one at cp = 1) and three (B, H, m, m) score tensors, measured for every
+    op's output as it is made and freed, on every rank, cp = 1..4; inflight_nbytes says so."""
+    per_rank = M * (2 if layout == "zigzag" else 1)  # tokens; chunks of M either way
+    for cp in (1, 2, 3, 4):
+        want = impl("context_parallel").inflight_nbytes(B, H, cp * per_rank, D, cp, layout, 8)
+        n = B * H * per_rank * D  # elements of this rank's q
+        assert want == {"kv": (4 if cp > 1 else 2) * n * 8, "scores": 3 * B * H * M * M * 8}
+        for r, peak in enumerate(run_threads(in_flight, cp, layout, **FAST)):
+            got = {key: peak.get(key, 0) for key in want}
+            assert got == want, (cp, r, got, want)
+
+
 def measured_whole(comm, t: int) -> int:
     cpm = impl("context_parallel")
     n = t // comm.world_size
