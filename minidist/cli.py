@@ -59,6 +59,10 @@ def command_problems(args: argparse.Namespace) -> list[str]:
         found.append(f"--min-bytes {args.min_bytes} is more than --max-bytes {args.max_bytes}")
     if args.command == "bench" and args.what in ("p2p", "sgd") and args.n < 2:
         found.append(f"-n {args.n}: bench {args.what} needs at least 2 ranks")
+    if args.command == "bench" and args.what in ("moe", "cp"):
+        from .bench import cp, moe
+
+        found += (moe if args.what == "moe" else cp).problems(args)
     if args.command == "bench" and not 0 <= getattr(args, "chance", 0) <= 1:
         found.append(f"--chance {args.chance}: a probability, in [0, 1]")
     if args.command == "schedule":

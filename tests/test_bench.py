@@ -104,8 +104,6 @@ def test_bench_moe_bytes_equal_the_formulas_and_drops_follow_capacity(capsys):
     assert [d["balanced"] for d in drops] == [0.5, 0.0, 0.0]
     for kind in ("uniform", "uniform_formula", "router"):
         assert [d[kind] for d in drops] == sorted((d[kind] for d in drops), reverse=True), kind
-    assert main(["bench", "moe", "-n", "3", "--backend", "threads", "--experts", "4"]) == 2
-    assert "--experts 4 must be a multiple of -n 3" in capsys.readouterr().err
 
 
 @pytest.mark.pure
@@ -126,8 +124,7 @@ def test_uniform_drop_formula_equals_enumerating_every_routing():
 @pytest.mark.threads
 def test_bench_cp_bytes_and_memory_equal_the_formulas(capsys):
     """Tiny, on threads: bytes sent, saved tensors and the peak in flight (k|v blocks, scores)
-    equal the formulas on every rank, the saved bytes fall as 1/cp, and a head dimension that
-    makes scores and q's rows one shape is refused."""
+    equal the formulas on every rank, and the saved bytes fall as 1/cp."""
     argv = ["bench", "cp", "-n", "2", "--backend", "threads", "--seq", "8", "--batch", "1"]
     assert main([*argv, "--heads", "2", "--head-dim", "3", "--steps", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
@@ -140,8 +137,6 @@ def test_bench_cp_bytes_and_memory_equal_the_formulas(capsys):
         assert row["exact"] and row["work"] == pytest.approx(row["work_formula"]), row
     assert rows[3]["saved"] * 2 == rows[1]["saved"]  # 1/cp
     assert rows[0]["scores"] >= 2 * 8 * 8 * 4  # full: at least two (B, H, T, T) float32
-    assert main([*argv, "--head-dim", "4"]) == 2  # T = 8 = 2 chunks of 4
-    assert "--head-dim 4 equals a chunk's m" in capsys.readouterr().err
 
 
 @pytest.mark.processes

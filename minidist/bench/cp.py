@@ -244,16 +244,19 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module on args.backend and wait for them."""
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks)."""
     clash = sorted({t for t in args.seq for c in (1, 2, 4, 8, 16, 32) if t == c * args.head_dim})
     if clash:  # the meter tells scores (B, H, m, m) from q's rows (B, H, m, d) by shape
-        print(
-            f"minidist bench cp: --head-dim {args.head_dim} equals a chunk's m = T/c for T in "
-            f"{clash}: scores and q's rows would share one shape; pick another --head-dim",
-            file=sys.stderr,
-        )
-        return 2
+        return [
+            f"--head-dim {args.head_dim} equals a chunk's m = T/c for T in {clash}: scores and "
+            "q's rows would share one shape; pick another --head-dim"
+        ]
+    return []
+
+
+def main(args: argparse.Namespace) -> int:
+    """The parent: start args.n ranks of this module on args.backend and wait for them."""
     argv = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
         for k in ("batch", "heads", "head_dim", "steps")

@@ -277,15 +277,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks)."""
+    if args.experts % args.n or args.k > args.experts:
+        return [
+            f"--experts {args.experts} must be a multiple of -n {args.n} and at least --k {args.k}"
+        ]
+    return []
+
+
 def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    if args.experts % args.n or args.k > args.experts:
-        print(
-            f"minidist bench moe: --experts {args.experts} must be a multiple of -n {args.n} "
-            f"and at least --k {args.k}",
-            file=sys.stderr,
-        )
-        return 2
     argv = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
         for k in ("d_model", "experts", "k", "trials", "iters")
