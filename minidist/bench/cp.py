@@ -96,7 +96,7 @@ def kind_of(shape: tuple, m: int):
 
 def ring_row(comm, args, t: int, layout: str) -> dict:
     """One row on this cp group: time, bytes, memory and work, beside the formulas."""
-    cp, r, b = comm.world_size, comm.rank, 4
+    cp, r = comm.world_size, comm.rank
     q, k, v = qkv(args, t, r, cp, layout)
     n = q.numel()
     m = context_parallel.chunk_size(t, cp, layout)
@@ -114,10 +114,7 @@ def ring_row(comm, args, t: int, layout: str) -> dict:
     def step():
         context_parallel.ring_attention(q, k, v, comm, layout).sum().backward()
 
-    formula = {"fwd": 2 * (cp - 1) * n * b, "bwd": 2 * (2 * cp - 1) * n * b if cp > 1 else 0}
-    formula["saved"] = (4 * args.head_dim + 1) * args.batch * args.heads * (t // cp) * b
-    shape = (args.batch, args.heads, t, args.head_dim, cp, layout, b)
-    formula |= context_parallel.inflight_nbytes(*shape)
+    formula = formulas(args, t, cp, layout, n)
     got = {"fwd": fwd, "bwd": bwd, "saved": kept, "kv": live.peak.get("kv", 0)}
     got["scores"] = live.peak.get("scores", 0)
     pairs = [context_parallel.causal_pairs(t, cp, i, layout) for i in range(cp)]
@@ -131,11 +128,19 @@ def ring_row(comm, args, t: int, layout: str) -> dict:
     row |= {key: _max(comm, value) for key, value in got.items()}
     row |= {f"{key}_formula": value for key, value in formula.items()}
     row["exact"] = _max(comm, float(got != {key: formula[key] for key in got})) == 0
-    row["work"], row["work_formula"] = (
-        max(work) / statistics.mean(work),
-        max(pairs) / (sum(pairs) / cp),
-    )
+    row["work"] = max(work) / statistics.mean(work)
+    row["work_formula"] = max(pairs) / (sum(pairs) / cp)
     return row
+
+
+def formulas(args, t: int, cp: int, layout: str, n: int) -> dict:
+    """The module docstring's bytes per rank (float32, b = 4; n elements in this rank's q):
+    sent forward and backward, saved for backward, and in flight (inflight_nbytes)."""
+    b = 4
+    formula = {"fwd": 2 * (cp - 1) * n * b, "bwd": 2 * (2 * cp - 1) * n * b if cp > 1 else 0}
+    formula["saved"] = (4 * args.head_dim + 1) * args.batch * args.heads * (t // cp) * b
+    shape = (args.batch, args.heads, t, args.head_dim, cp, layout, b)
+    return formula | context_parallel.inflight_nbytes(*shape)
 
 
 def full_row(args, t: int) -> dict:

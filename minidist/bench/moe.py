@@ -4,25 +4,20 @@ and the assignments dropped against the capacity factor, each beside its formula
     minidist bench moe -n 4 --backend mpi [--tokens 256 1024 4096] [--d-model 256]
                        [--experts 8] [--k 1] [--cf 0.5 1 1.25 1.5 2] [--json]
 
-Part 1, the dispatch, one row per --tokens n: every rank routes n tokens of D float32 with a
-Router (E experts, top-k, seed 0, no capacity: every assignment travels; tokens ~ N(0, 1), seed
-= rank) and sends the rows to their experts' ranks:
-
+Part 1, the dispatch, one row per --tokens n: every rank routes n tokens (N(0, 1), seed =
+rank) of D float32 with a Router (E experts, top-k, seed 0, no capacity) and sends the rows to
+their experts' ranks:
     hand      collectives.all_to_all, the counts known (the MoE exchanges them before, per expert)
-    library   the library's own with the same counts: MPI_Alltoallv (mpi4py) on mpi,
-              torch.distributed.all_to_all_single on gloo; none on threads. Both deliver the
-              same rows (checked every row: `same`)
+    library   the same counts through MPI_Alltoallv (mpi4py) on mpi, all_to_all_single on gloo;
+              none on threads. `same`: both delivered the same rows
     sent      bytes sent in the hand-written one (ObservedComm), the busiest rank's, beside the
               all-to-all formula (N - n_rr) D b (collectives.py): the rows for other ranks
-    model     the alpha-beta time (p-1) a + sent / B, with a and B fitted by least squares to
-              the hand-written rows' times (two --tokens at least; lesson 02's model)
-
+    model     the alpha-beta time (p-1) a + sent / B, a and B fitted by least squares to the
+              hand-written rows' times (two --tokens at least; lesson 02's model)
 and one ExpertParallelMoE forward + backward at the first n (d_ff = D, capacity factor 1.25):
-the bytes each rank sent (ObservedComm) beside step_nbytes (m, m' counted from every rank's
-routing): `step`.
+each rank's bytes sent beside step_nbytes (m, m' from every rank's routing): `step`.
 
-Part 2, the drops, one row per --cf: C = ceil(cf k n / E) per expert and group; the fraction of
-assignments dropped
+Part 2, the drops, one row per --cf: C = ceil(cf k n / E); the fraction of assignments dropped
     balanced  a router that spreads every group's k n assignments evenly: formula
     uniform   choices drawn uniformly at random (k distinct experts a token), measured over
               --trials groups per rank with keep_mask, beside the formula: an expert's load X is
@@ -47,6 +42,8 @@ from minidist import cluster, collectives, expert_parallel
 from minidist.bench.collectives import time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.launch import init, start_ranks
+
+F32 = torch.float32  # the benchmark's dtype: b = 4 bytes in every formula
 
 
 def library_all_to_all(comm):
@@ -73,7 +70,7 @@ def library_all_to_all(comm):
 
 def dispatch_rows(comm, n: int, args) -> tuple[torch.Tensor, list[int]]:
     """(rows sorted by destination rank (N, D), send_counts): this rank's routed tokens."""
-    router = expert_parallel.Router(args.d_model, args.experts, args.k, None, dtype=torch.float32)
+    router = expert_parallel.Router(args.d_model, args.experts, args.k, None, dtype=F32)
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(n, args.d_model, generator=gen)  # (n, D)
     with torch.no_grad():
@@ -91,13 +88,8 @@ def dispatch_row(comm, n: int, args) -> dict:
     counter = Counter()
     y, _ = collectives.all_to_all(x, send_counts, ObservedComm(comm, counter), recv_counts)
     formula = (x.shape[0] - send_counts[r]) * args.d_model * 4  # (N - n_rr) D b
-    hand = time_it(
-        comm,
-        lambda: collectives.all_to_all(x, send_counts, comm, recv_counts),
-        lambda: None,
-        args.iters,
-        warmup=2,
-    )
+    call = lambda: collectives.all_to_all(x, send_counts, comm, recv_counts)  # noqa: E731
+    hand = time_it(comm, call, lambda: None, args.iters, warmup=2)
     row = {"tokens": n, "rows": x.shape[0], "hand_us": hand * 1e6, "library_us": None}
     row |= {"sent": _max(comm, counter.bytes_sent), "formula": _max(comm, formula)}
     row["sent_ok"] = _all(comm, counter.bytes_sent == formula)
@@ -127,15 +119,8 @@ def step_bytes(comm, n: int, args) -> dict:
     """ExpertParallelMoE forward + backward: bytes sent (busiest rank), beside step_nbytes."""
     p, r = comm.world_size, comm.rank
     counter = Counter()
-    layer = expert_parallel.ExpertParallelMoE(
-        args.d_model,
-        args.d_model,
-        args.experts,
-        ObservedComm(comm, counter),
-        args.k,
-        1.25,
-        dtype=torch.float32,
-    )
+    d, c = args.d_model, ObservedComm(comm, counter)
+    layer = expert_parallel.ExpertParallelMoE(d, d, args.experts, c, args.k, 1.25, dtype=F32)
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(n, args.d_model, generator=gen).requires_grad_()  # (n, D)
     with torch.no_grad():
@@ -147,13 +132,8 @@ def step_bytes(comm, n: int, args) -> dict:
     y, aux = layer(x)
     (y.sum() + aux).backward()
     formula = expert_parallel.step_nbytes(int(m), int(m_in), args.d_model, 4, layer.n_local, p)
-    ok = _all(comm, counter.bytes_sent == formula)
-    return {
-        "tokens": n,
-        "sent": _max(comm, counter.bytes_sent),
-        "formula": _max(comm, formula),
-        "sent_ok": ok,
-    }
+    row = {"tokens": n, "sent": _max(comm, counter.bytes_sent), "formula": _max(comm, formula)}
+    return row | {"sent_ok": _all(comm, counter.bytes_sent == formula)}
 
 
 def uniform_drop(n: int, k: int, n_experts: int, cap: int) -> float:
@@ -185,7 +165,7 @@ def drop_row(comm, cf: float, args) -> dict:
     for _ in range(args.trials):
         choices = torch.rand(n, e, generator=gen).argsort(-1)[:, :k]  # (n, k) distinct, uniform
         dropped += int((~expert_parallel.keep_mask(choices, e, cap)).sum())
-    router = expert_parallel.Router(args.d_model, e, k, cf, dtype=torch.float32)
+    router = expert_parallel.Router(args.d_model, e, k, cf, dtype=F32)
     x = torch.randn(n, args.d_model, generator=torch.Generator().manual_seed(comm.rank))
     with torch.no_grad():
         routing = router(x)
@@ -241,8 +221,16 @@ def report(result: dict) -> str:
         f"(busiest rank), step_nbytes {step['formula']:.0f} B, every rank equal: "
         f"{'yes' if step['sent_ok'] else 'NO'}"
     )
+    lines += drops_table(result)
+    lines.append("# times: one run on a shared machine (noisy); bytes and formulas: exact")
+    return "\n".join(lines)
+
+
+def drops_table(result: dict) -> list[str]:
+    """Part 2's lines: capacity and the dropped fractions, formulas beside."""
+    cfg, p = result["config"], result["world_size"]
     n = cfg["tokens"][0]
-    lines += [
+    lines = [
         f"# drops: fraction of the k n = {cfg['k'] * n} assignments per group dropped "
         f"({p} groups of n = {n}; uniform: {cfg['trials']} groups per rank)",
         f"{'cf':>6}{'C':>6}{'balanced':>10}{'uniform':>9}{'formula':>9}{'router':>8}"
@@ -253,8 +241,7 @@ def report(result: dict) -> str:
             f"{r['cf']:6.2f}{r['capacity']:>6}{r['balanced']:10.3f}{r['uniform']:9.3f}"
             f"{r['uniform_formula']:9.3f}{r['router']:8.3f}{r['router_max_over_mean']:9.2f}"
         )
-    lines.append("# times: one run on a shared machine (noisy); bytes and formulas: exact")
-    return "\n".join(lines)
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -279,19 +266,15 @@ def add_parser(sub) -> None:
 
 def problems(args: argparse.Namespace) -> list[str]:
     """Why these flags cannot run, one line each (the CLI prints them before starting ranks)."""
-    if args.experts % args.n or args.k > args.experts:
-        return [
-            f"--experts {args.experts} must be a multiple of -n {args.n} and at least --k {args.k}"
-        ]
-    return []
+    if args.experts % args.n == 0 and args.k <= args.experts:
+        return []
+    return [f"--experts {args.experts} must be a multiple of -n {args.n} and at least --k {args.k}"]
 
 
 def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    argv = [
-        f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("d_model", "experts", "k", "trials", "iters")
-    ]
+    keys = ("d_model", "experts", "k", "trials", "iters")
+    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     argv += ["--tokens", *map(str, args.tokens), "--cf", *map(str, args.cf)]
     argv += ["--json"] if args.json else []
     return start_ranks(__name__, argv, args.n, args.backend, "minidist bench moe")
@@ -306,9 +289,8 @@ def rank_main(argv: list[str]) -> None:
     comm = init()
     rows = [dispatch_row(comm, n, args) for n in args.tokens]
     result = {"bench": "moe", "backend": comm.backend, "world_size": comm.world_size}
-    result |= {"config": {k: v for k, v in vars(args).items() if k != "json"}}
-    result |= {"dispatch": rows, "fit": fit(rows, comm.world_size)}
-    result |= {"step": step_bytes(comm, args.tokens[0], args)}
+    result |= {"config": {k: v for k, v in vars(args).items() if k != "json"}, "dispatch": rows}
+    result |= {"fit": fit(rows, comm.world_size), "step": step_bytes(comm, args.tokens[0], args)}
     result["drops"] = [drop_row(comm, cf, args) for cf in args.cf]
     if comm.rank == 0:
         print(json.dumps(result) if args.json else report(result))
