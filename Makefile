@@ -37,6 +37,8 @@ bench: venv
 	$(VENV)/bin/minidist bench zero -n 2 4 --backend mpi
 	$(VENV)/bin/minidist bench sgd -n 4 --backend mpi
 	$(VENV)/bin/minidist bench batch
+	$(VENV)/bin/minidist bench moe -n 4 --backend mpi
+	$(VENV)/bin/minidist bench cp -n 4 --backend mpi
 
 # where a GPU is lent: the gpu tests, nccl all-reduce busbw, a tp block's bf16 TFLOP/s and the
 # main job on nccl with --check, under 8 minutes, one summary; without a GPU one line, exit 0

@@ -3,7 +3,7 @@
 minidist train --dp 2 --pp 2 --tp 2 --check          the main job: a small GPT, 8 ranks
 minidist run -n 4 --backend mpi script.py args...      start 4 ranks on this machine
 minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
-minidist bench dp|tp|pipeline|zero|sgd|batch ...            the techniques, measured
+minidist bench dp|tp|pipeline|zero|sgd|batch|moe|cp ...   the techniques, measured
 minidist schedule --schedule 1f1b --stages 4 --microbatches 8   a pipeline schedule, drawn
 minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024   layouts, time, energy, cost
 """
@@ -59,6 +59,10 @@ def command_problems(args: argparse.Namespace) -> list[str]:
         found.append(f"--min-bytes {args.min_bytes} is more than --max-bytes {args.max_bytes}")
     if args.command == "bench" and args.what in ("p2p", "sgd") and args.n < 2:
         found.append(f"-n {args.n}: bench {args.what} needs at least 2 ranks")
+    if args.command == "bench" and args.what in ("moe", "cp"):
+        from .bench import cp, moe
+
+        found += (moe if args.what == "moe" else cp).problems(args)
     if args.command == "bench" and not 0 <= getattr(args, "chance", 0) <= 1:
         found.append(f"--chance {args.chance}: a probability, in [0, 1]")
     if args.command == "schedule":
@@ -94,7 +98,7 @@ def _add_run(sub) -> None:
 
 def _add_bench(sub) -> None:
     # each benchmark keeps its flags beside it: the parent and every rank parse the same ones
-    from .bench import batch, collectives, dp, pipeline, sgd, tp, zero
+    from .bench import batch, collectives, cp, dp, moe, pipeline, sgd, tp, zero
 
     p = sub.add_parser("bench", help="measure: collectives and every technique")
     kinds = p.add_subparsers(dest="what", required=True)
@@ -102,7 +106,7 @@ def _add_bench(sub) -> None:
         q = kinds.add_parser(what, help=f"nccl-tests style table, {about}")
         collectives.add_arguments(q, what=False)
         q.set_defaults(func=collectives.main, what=what)
-    for module in (dp, tp, pipeline, zero, sgd, batch):
+    for module in (dp, tp, pipeline, zero, sgd, batch, moe, cp):
         module.add_parser(kinds)
 
 

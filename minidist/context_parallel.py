@@ -14,8 +14,10 @@ each of this rank's q, k, v; b bytes each), point to point, to the next rank on 
   ContextParallelSelfAttention: + one all-reduce of its 4D^2 + 4D weight gradients (sum_gradients).
 Memory per rank: saved for backward q, k, v, out (B, H, T/cp, d) and the log-sum-exp (B, H, T/cp):
 (4d + 1) B H T/cp elements, 1/cp of the same algorithm in one process (the (T, T) scores are never
-kept); while running, two k|v blocks (the one in use, the one arriving: 4n elements) and the
-scores of one pair of chunks, (B, H, T/c, T/c) for c chunks.
+kept). In flight in forward (inflight_nbytes, measured by memory.LiveTensorMeter): two k|v
+blocks, the one in use and the one arriving (4n elements; one, 2n, at cp = 1), and three
+(B, H, T/c, T/c) tensors of one chunk pair's scores for c chunks (the scores, the scores minus
+their row maximum or log-sum-exp, and its exponential): 3 B H (T/c)^2 elements.
 Causal work per rank, in query-key pairs (c chunks of m = T/c tokens; a chunk against an earlier
 one m^2 pairs, against itself m(m+1)/2):
   plain  (c = cp, rank r holds chunk r):            r m^2 + m(m+1)/2; the last rank does
@@ -103,6 +105,15 @@ def causal_pairs(t: int, cp: int, rank: int, layout: str) -> int:
     """The query-key pairs rank computes in one forward: its share of the causal work."""
     m = chunk_size(t, cp, layout)
     return sum(_work(pairs, m) for pairs in ring_plan(cp, rank, layout))
+
+
+def inflight_nbytes(b: int, h: int, t: int, d: int, cp: int, layout: str, itemsize: int) -> dict:
+    """{"kv": bytes of k|v blocks, "scores": bytes of score-sized tensors} a rank holds at once
+    in forward, at most (the module docstring's formula): kv 4n b (2n b at cp = 1), n =
+    B H (T/cp) d; scores 3 B H m^2 b, m = T/c the tokens of a chunk."""
+    m = chunk_size(t, cp, layout)
+    n = b * h * (t // cp) * d
+    return {"kv": (4 if cp > 1 else 2) * n * itemsize, "scores": 3 * b * h * m * m * itemsize}
 
 
 # ---- one block, and the merge -------------------------------------------------------------------
@@ -198,15 +209,17 @@ class RingAttention(torch.autograd.Function):
                 kv_next, works = pass_on(kv, comm, kv_tag)
             started = time.perf_counter()
             for a, b, diagonal in pairs:
-                k_b, v_b = _rows(kv[0], b, m), _rows(kv[1], b, m)
-                block = attend_block(_rows(q, a, m), k_b, v_b, diagonal, scale)
+                # kv's rows go unnamed: a name would keep this block alive into the next step
+                block = attend_block(
+                    _rows(q, a, m), _rows(kv[0], b, m), _rows(kv[1], b, m), diagonal, scale
+                )
                 out_a, lse_a = merge(_rows(out, a, m), _rows(lse, a, m), *block)
                 _rows(out, a, m).copy_(out_a)
                 _rows(lse, a, m).copy_(lse_a)
             _record(stats, pairs, m, started)
             if step < cp - 1:
                 wait_all(works)
-                kv = kv_next
+                kv, works = kv_next, []  # a send's handle may hold the old block: drop both
         # lab 15.2 end
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.plan, ctx.m, ctx.scale, ctx.stats = comm, plan, m, scale, stats

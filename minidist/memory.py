@@ -7,6 +7,9 @@ are one allocation and count once, with the storage's bytes; a freed storage cou
   `exclude` (parameters, a step's inputs: alive anyway) left out. checkpointing checks its
   formula against it (lesson 10), pipeline meters each microbatch's forward with it (lesson
   06), tensor_parallel_blocks measures a block with it (saved_activation_nbytes, lesson 05).
+- LiveTensorMeter: every tensor created while inside, live and peak, by a kind the caller names
+  (k|v blocks, scores): what an algorithm holds in flight. context_parallel's in-flight
+  formula is checked against it (lesson 15, `minidist bench cp`).
 - storage_nbytes: the bytes behind a list of tensors (ZeRO's parameters, gradients and
   optimizer state: zero_cost.memory_nbytes).
 Lesson: lessons/10_checkpointing/ (how the meter works).
@@ -23,6 +26,8 @@ import weakref
 from collections.abc import Hashable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class _Held:
@@ -97,3 +102,68 @@ def storage_nbytes(tensors: list) -> int:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     seen.pop(0, None)  # freed or empty storages
     return sum(seen.values())
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Live and peak bytes of the tensors ops create while inside `with`, per kind.
+
+    kind(t) -> str names each new storage's kind when first seen (its first tensor decides);
+    live[kind], peak[kind] in bytes, peak["total"] the peak of all kinds at once. A storage
+    counts until the last tensor object that op outputs made of it is freed; one kept only by
+    autograd's graph (a saved tensor) is missed: meter those with SavedTensorMeter.
+    Inside `with meter.paused():` nothing is recorded: wrap a transport's own buffers in it (the
+    threads backend's copy of a sent message). A TorchDispatchMode: it sees every op on this
+    thread, below autograd, so each thread-rank meters its own.
+    """
+
+    def __init__(self, kind=lambda t: "all"):
+        super().__init__()
+        self.kind, self.off = kind, False
+        self.live: dict[str, int] = {}
+        self.peak: dict[str, int] = {"total": 0}
+        self.holders: dict[int, list] = {}  # storage address -> [tensors alive, nbytes, kind]
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # nothing here is compiled: without this, torch wraps __torch_dispatch__ in
+        # torch._dynamo.disable, whose first call imports the compiler (20 s on a loaded CPU)
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.off:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._hold(t)
+        return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside (tensors made there are not this algorithm's)."""
+        was, self.off = self.off, True
+        try:
+            yield
+        finally:
+            self.off = was
+
+    def _hold(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:  # an empty tensor: no allocation
+            return
+        if key not in self.holders:
+            kind = self.kind(t)
+            self.holders[key] = [0, storage.nbytes(), kind]
+            self.live[kind] = self.live.get(kind, 0) + storage.nbytes()
+            self.peak[kind] = max(self.peak.get(kind, 0), self.live[kind])
+            self.peak["total"] = max(self.peak["total"], sum(self.live.values()))
+        self.holders[key][0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        held = self.holders.get(key)
+        if held is not None:
+            held[0] -= 1
+            if held[0] == 0:
+                self.live[held[2]] -= held[1]
+                del self.holders[key]

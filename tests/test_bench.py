@@ -84,3 +84,69 @@ def test_gpu_check_skips_cleanly_without_a_gpu():
     tool = os.path.join(root, "tools", "gpu_check.py")
     done = subprocess.run([sys.executable, tool], env=env, capture_output=True, text=True)
     assert (done.returncode, done.stdout) == (0, "no GPU: skipped\n"), done.stderr
+
+
+@pytest.mark.threads
+def test_bench_moe_bytes_equal_the_formulas_and_drops_follow_capacity(capsys):
+    """Tiny, on threads: every dispatch row's bytes equal (N - n_rr) D b, the MoE step's equal
+    step_nbytes on every rank, and fewer assignments drop as the capacity factor grows."""
+    argv = ["bench", "moe", "-n", "2", "--backend", "threads", "--tokens", "16", "32"]
+    argv += ["--d-model", "8", "--experts", "4", "--cf", "0.5", "1", "2", "--trials", "4"]
+    assert main([*argv, "--iters", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in got["dispatch"]] == [16, 32]
+    for row in got["dispatch"]:
+        assert row["sent"] == row["formula"] and row["sent_ok"] and row["same"], row
+        assert row["library_us"] is None and row["hand_us"] > 0  # no library under threads
+    assert got["step"]["sent"] == got["step"]["formula"] and got["step"]["sent_ok"], got["step"]
+    drops = got["drops"]
+    assert [d["capacity"] for d in drops] == [2, 4, 8]  # ceil(cf k n / E), n = 16, k = 1, E = 4
+    assert [d["balanced"] for d in drops] == [0.5, 0.0, 0.0]
+    for kind in ("uniform", "uniform_formula", "router"):
+        assert [d[kind] for d in drops] == sorted((d[kind] for d in drops), reverse=True), kind
+
+
+@pytest.mark.pure
+def test_uniform_drop_formula_equals_enumerating_every_routing():
+    """E E[(X - C)+] / (k n), X ~ Binomial(n, k/E), against all E^n routings of n tokens (k = 1)."""
+    import itertools
+
+    from minidist.bench.moe import uniform_drop
+
+    n, e = 5, 3
+    for cap in range(n + 1):
+        total = 0
+        for choice in itertools.product(range(e), repeat=n):
+            total += sum(max(0, choice.count(x) - cap) for x in range(e))
+        assert uniform_drop(n, 1, e, cap) == pytest.approx(total / e**n / n), cap
+
+
+@pytest.mark.threads
+def test_bench_cp_bytes_and_memory_equal_the_formulas(capsys):
+    """Tiny, on threads: bytes sent, saved tensors and the peak in flight (k|v blocks, scores)
+    equal the formulas on every rank, and the saved bytes fall as 1/cp."""
+    argv = ["bench", "cp", "-n", "2", "--backend", "threads", "--seq", "8", "--batch", "1"]
+    assert main([*argv, "--heads", "2", "--head-dim", "3", "--steps", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["cp"], r["layout"]) for r in rows] == [
+        (1, "full"), (1, "plain"), (1, "zigzag"), (2, "plain"), (2, "zigzag")
+    ]  # fmt: skip
+    for row in rows[1:]:
+        for key in ("fwd", "bwd", "saved", "kv", "scores"):
+            assert row[key] == row[f"{key}_formula"], (key, row)
+        assert row["exact"] and row["work"] == pytest.approx(row["work_formula"]), row
+    assert rows[3]["saved"] * 2 == rows[1]["saved"]  # 1/cp
+    assert rows[0]["scores"] >= 2 * (1 * 2 * 8 * 8 * 4)  # full: two (B, H, T, T) float32 or more
+
+
+@pytest.mark.processes
+def test_bench_moe_library_all_to_all(capfd):
+    """MPI_Alltoallv, its counts and displacements in elements, delivers the rows the
+    hand-written all-to-all does (the bench checks it every row). Gloo's all_to_all_single
+    takes the row counts as they are; mpi only, to keep the process tier cheap."""
+    argv = ["bench", "moe", "-n", "2", "--backend", "mpi", "--tokens", "8", "--d-model", "4"]
+    argv += ["--experts", "2", "--cf", "1", "--trials", "1", "--iters", "1", "--json"]
+    assert main(argv) == 0
+    got = report(capfd.readouterr().out)
+    (row,) = got["dispatch"]
+    assert row["same"] and row["library_us"] > 0 and row["sent"] == row["formula"], row

@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
+from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads, verdict
 
 RTOL, ATOL = 1e-12, 1e-13  # float64: see the module docstring
 FAST = {"timeout": 30, "comm_timeout": 8}  # a message waiting 8 s here is a deadlock
@@ -286,6 +286,35 @@ def test_saved_activations_fall_as_one_over_cp(cp):
     assert all(s * cp == alone for s in split), (alone, split)
 
 
+def in_flight(comm, layout: str) -> dict:
+    """Peak bytes of k|v blocks and score-sized tensors alive at once in one forward, the comm's
+    own buffers (the threads backend's copies) left out."""
+    from minidist.bench.cp import Unmetered, kind_of
+    from minidist.memory import LiveTensorMeter
+
+    cpm = impl("context_parallel")
+    n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
+    q, k, v = (torch.ones(B, H, n, D, dtype=F64) for _ in range(3))
+    with LiveTensorMeter(kind_of((B, H, n, D), M)) as meter:
+        cpm.ring_attention(q, k, v, Unmetered(comm, meter), layout)
+    return meter.peak
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+def test_peak_memory_in_flight_matches_the_formula(layout):
+    """Two k|v blocks (one at cp = 1) and three (B, H, m, m) score tensors, measured for every
+    op's output as it is made and freed, on every rank, cp = 1..4; inflight_nbytes says so."""
+    per_rank = M * (2 if layout == "zigzag" else 1)  # tokens; chunks of M either way
+    for cp in (1, 2, 3, 4):
+        want = impl("context_parallel").inflight_nbytes(B, H, cp * per_rank, D, cp, layout, 8)
+        n = B * H * per_rank * D  # elements of this rank's q
+        assert want == {"kv": (4 if cp > 1 else 2) * n * 8, "scores": 3 * B * H * M * M * 8}
+        for r, peak in enumerate(run_threads(in_flight, cp, layout, **FAST)):
+            got = {key: peak.get(key, 0) for key in want}
+            assert got == want, (cp, r, got, want)
+
+
 def measured_whole(comm, t: int) -> int:
     cpm = impl("context_parallel")
     n = t // comm.world_size
@@ -328,7 +357,15 @@ def test_the_layer_sums_its_weight_gradients_in_one_all_reduce_each(cp):
 def properties_in_ranks(comm, max_examples: int) -> int:
     cases = st.tuples(st.booleans(), ring_cases)  # (the layer?, the case)
     check = lambda sub, c: (layer_matches if c[0] else ring_matches)(sub, c[1])  # noqa: E731
-    return in_subworlds(comm, check, cases, max_examples)
+    count = in_subworlds(comm, check, cases, max_examples)
+    # in flight over real processes too: a backend that holds a buffer past its wait (a
+    # reference cycle only gc frees) shows here as a third k|v block
+    cp, per_rank = comm.world_size, 2 * M
+    want = impl("context_parallel").inflight_nbytes(B, H, cp * per_rank, D, cp, "zigzag", 8)
+    peak = in_flight(comm, "zigzag")
+    got = {key: peak.get(key, 0) for key in want}
+    verdict(comm, got == want, f"rank {comm.rank} in flight: {got}, want {want}")
+    return count
 
 
 @pytest.mark.processes

@@ -102,6 +102,8 @@ class _RequestWork:
                 self.done = self.request.Test(self.status)
             except _mpi().Exception as e:  # e.g. a message larger than the receive buffer
                 raise CommError(f"{self.describe()}: {e.Get_error_string()}") from None
+            if self.done:  # a receive's stuck closes over this work and its buffer: a cycle
+                self.stuck = None  # only the garbage collector would free, buffer and all
         return self.done
 
     def describe(self) -> str:
