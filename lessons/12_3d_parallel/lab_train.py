@@ -283,7 +283,8 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss.
     cp > 1: n = b T / cp tokens, dp counts dp x cp ranks; cp per microbatch and block: ring
     attention's 2 (cp-1) + 2 (2cp-1) messages of a / tp (k|v on, then k|v and dk|dv), the
-    forward's again when recomputed. With experts, dp and ep depend on the routing: None."""
+    forward's again when recomputed. With experts, dp and ep depend on the routing: None.
+    The keys: dp, pp, tp, and cp and ep where they are larger than 1."""
     c, (_, s, _) = job.config, job.mesh.coords
     m = c.microbatches
     e = c.precision.compute.itemsize  # bytes of an activation element
@@ -294,13 +295,16 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     params = [q for q in job.replicas.module.parameters() if q.requires_grad]
     blocks = sum(1 for i in sum(job.layer_ids, []) if 1 <= i <= c.model.n_layers)
     ring = 2 * (c.cp - 1) * (2 if c.checkpointing else 1) + 2 * (2 * c.cp - 1)
-    return {
+    found = {
         "dp": None if c.model.experts else _dp_nbytes(c, params, e, f),
         "pp": _pp_nbytes(c, s, m * a),
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
-        "cp": m * blocks * ring * a // c.tp if c.cp > 1 else 0,
-        "ep": None,
     }
+    if c.cp > 1:
+        found["cp"] = m * blocks * ring * a // c.tp
+    if c.ep > 1:
+        found["ep"] = None  # the all-to-alls carry what the routers decide: no formula
+    return found
 
 
 def _tp_nbytes(c: TrainConfig, ids: list[int], a: int, loss_row: int) -> int:
