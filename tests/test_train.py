@@ -36,7 +36,7 @@ TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
 MOE = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2, experts=4, topk=2,
                     capacity_factor=1.0)  # fmt: skip
 F64 = {"steps": 2, "warmup": 1, "dtype": "float64", "microbatches": 2}
-EP_CASE = TrainConfig(dp=2, ep=2, batch=4, model=MOE, **F64)
+EP_CASE = TrainConfig(dp=4, ep=2, batch=8, model=MOE, **F64)
 CP_CASE = TrainConfig(dp=2, cp=2, batch=4, model=TINY, **F64)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -309,7 +309,7 @@ def test_bytes_per_dimension_equal_the_formulas(options):
 
 
 def train_properties_in_ranks(comm, max_examples: int) -> int:
-    """Hypothesis's layouts (dp x pp x tp), then dp 2 x ep 2 and dp 2 x cp 2: side by side on
+    """Hypothesis's layouts (dp x pp x tp), then dp 4 with ep 2, and dp 2 x cp 2: side by side on
     two halves of a world of 8, one after the other on 4."""
     world_of = lambda config: config.layout.world_size  # noqa: E731
     cases = configs(max_world=comm.world_size)

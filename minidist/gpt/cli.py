@@ -5,13 +5,14 @@
     torchrun --nproc-per-node 8 -m minidist.gpt.cli --dp 2 --pp 2 --tp 2
 
 The parent (`minidist train`) checks the layout and the model's shape before any process
-starts, then starts dp*pp*tp ranks of this module; every rank trains (train.py); rank 0 shows
-a progress bar (loss, tokens/s) and at the end prints: per-rank memory, bytes sent per
-dimension (dp/pp/tp: payload per step from a Counter on each sub-comm, beside the formula of
-train.predicted_nbytes), the measured pipeline bubble (the last step's compute spans) beside
-the formula, throughput; and writes into --out: loss.png, pipeline.png, trace.json (open in
-ui.perfetto.dev). --check then trains the same run in one process (in rank 0's) and reports
-the largest relative difference of the loss curve and of the final parameters.
+starts, then starts dp*pp*cp*tp ranks of this module (--ep shares out --experts over dp);
+every rank trains (train.py); rank 0 shows a progress bar (loss, tokens/s) and at the end
+prints: per-rank memory, bytes sent per dimension (dp/pp/tp, and cp/ep when used: payload per
+step from a Counter on each sub-comm, beside the formula of train.predicted_nbytes), the
+measured pipeline bubble (the last step's compute spans) beside the formula, throughput; and
+writes into --out: loss.png, pipeline.png, trace.json (open in ui.perfetto.dev). --check then
+trains the same run in one process (in rank 0's) and reports the largest relative difference
+of the loss curve and of the final parameters.
 --json prints one object instead of the tables (and no bar). Checkpoints (resume.py): --save DIR
 writes DIR/step-NNNNNNN.pt at the end (and every --save-every steps; at --stop-at STEP, which
 ends the run early, as before a time limit); --resume PATH (a file, or a folder: its newest)

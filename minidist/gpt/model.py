@@ -13,6 +13,9 @@ Paper: Radford et al., Language Models are Unsupervised Multitask Learners (GPT-
 architecture (pre-LayerNorm blocks, a final LayerNorm, learned positions); this one is small,
 byte-level (vocabulary 256), without dropout and with an untied output layer.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2
+With config.experts > 0 every block's MLP is a mixture of experts (moe.py: MoEBlock, its
+experts cut over ep by parallel_layer); context parallelism re-shapes the cut chunks in place
+(context.py).
 
 The model as a sequence of layers, which the pipeline cuts between any two:
 

@@ -19,8 +19,13 @@ Memory per rank: Psi_s parameters with their gradients and optimizer state (ZeRO
 by dp; see zero.py), plus the activations the schedule keeps (pipeline.py).
 Order of composition (each step wraps what the one before made):
   1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
+                  (cp > 1: cp_comm, dcp_comm; ep > 1: ep_comm, edp_comm)
   2. model cut    this stage's layers, each sliced over tp_comm     model.py
+                  (the experts over ep_comm: moe.py; the attention
+                  over cp_comm, each rank its zigzag tokens: context.py)
   3. replicas     precision, then data parallel or ZeRO over dp     replicas.py
+                  (over dp x cp with cp > 1; with experts, each
+                  gradient over its own replicas)
   4. pipeline     the stage's chunks run by the schedule over pp    pipeline.py, schedules.py
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
 chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
