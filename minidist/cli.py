@@ -22,7 +22,7 @@ from .watchdog import job_timeout
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
 MAY_BE_ZERO = set(
     "warmup save_every stop_at seed zero staleness delay spike chance compute target "
-    "weight_decay".split()
+    "weight_decay experts".split()
 )
 
 

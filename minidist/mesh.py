@@ -1,7 +1,8 @@
-"""The rank grid of 3D parallelism: world = dp x pp x tp, and a communicator along each axis.
+"""The rank grid of 3D parallelism: world = dp x pp x tp (x cp), and a communicator per axis.
 
-Equals: nothing to match, a layout is data. `Layout` is a pure function of (dp, pp, tp): the
-grid is torch.arange(world).view(dp, pp, tp), so rank = (d * pp + s) * tp + t. Tensor-parallel
+Equals: nothing to match, a layout is data. `Layout` is a pure function of (dp, pp, tp, ep, cp):
+the grid is torch.arange(world).view(dp, pp, cp, tp), so rank = ((d * pp + s) * cp + c) * tp + t
+(with cp = 1, (d * pp + s) * tp + t). Tensor-parallel
 ranks are adjacent: tp moves data inside every layer (several all-reduces per block, forward
 and backward) and must stay inside a node's fast links; the pipeline's neighbours are tp ranks
 apart, and data-parallel replicas pp*tp ranks apart, across nodes, where the traffic is once
@@ -11,6 +12,10 @@ order tp, pp, dp. Afterwards tp_comm.rank == t, pp_comm.rank == s, dp_comm.rank 
 Expert parallelism (ep > 1, lesson 14) is carved out of dp, as in Megatron: each block of ep
 adjacent dp ranks shares out the experts (ep_comm, rank d % ep) and the ranks at the same place
 in every block hold the same experts (edp_comm, rank d // ep): two more splits, ep then edp.
+Context parallelism (cp > 1, lesson 15) sits between pp and tp, next to tp: its ring moves
+keys and values in every attention layer. cp_comm (rank c) holds the cp ranks of one replica,
+stage and tp rank; dcp_comm (rank d * cp + c) all of dp x cp, over which the gradients are
+averaged (every cp rank saw other tokens of the same sequences): two more splits, cp then dcp.
 Memory per rank: nothing.
 Paper: Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM (SC 2021), section 3 (placement: tensor parallel within a node).
@@ -32,15 +37,17 @@ AXES = ("dp", "pp", "tp")
 
 @dataclass(frozen=True)
 class Layout:
-    """How a world of dp * pp * tp ranks is cut: data, pipeline and tensor parallel sizes."""
+    """How a world of dp * pp * cp * tp ranks is cut: data, pipeline, context and tensor
+    parallel sizes (and expert parallel, carved out of dp)."""
 
     dp: int
     pp: int
     tp: int
     ep: int = 1  # expert parallel: blocks of ep adjacent dp ranks share out the experts
+    cp: int = 1  # context parallel: cp ranks hold the chunks of every sequence
 
     def __post_init__(self):
-        for axis in (*AXES, "ep"):
+        for axis in (*AXES, "ep", "cp"):
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis}={size!r} must be a positive integer")
@@ -49,45 +56,54 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def grid(self) -> torch.Tensor:
-        """(dp, pp, tp): grid[d, s, t] is the world rank at those coordinates."""
-        return torch.arange(self.world_size).view(self.dp, self.pp, self.tp)
+        """(dp, pp, cp, tp): grid[d, s, c, t] is the world rank at those coordinates."""
+        return torch.arange(self.world_size).view(self.dp, self.pp, self.cp, self.tp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(d, s, t) of a world rank: its replica, pipeline stage and tensor-parallel rank."""
+        """(d, s, t) of a world rank: its replica, pipeline stage and tensor-parallel rank
+        (its context-parallel rank c: cp_coord)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside a world of {self.world_size}")
-        # lab 12.1 begin: invert rank = (d * pp + s) * tp + t: two divmods
-        d, rest = divmod(rank, self.pp * self.tp)
-        s, t = divmod(rest, self.tp)
-        return d, s, t
+        # lab 12.1 begin: invert rank = ((d * pp + s) * cp + c) * tp + t: divmods, c dropped
+        d, rest = divmod(rank, self.pp * self.cp * self.tp)
+        s, rest = divmod(rest, self.cp * self.tp)
+        return d, s, rest % self.tp
         # lab 12.1 end
 
-    def rank(self, d: int, s: int, t: int) -> int:
-        """The world rank at coordinates (d, s, t)."""
-        return (d * self.pp + s) * self.tp + t
+    def cp_coord(self, rank: int) -> int:
+        """c of a world rank: which of its sequences' chunks it holds (0 when cp = 1)."""
+        return rank // self.tp % self.cp
+
+    def rank(self, d: int, s: int, t: int, c: int = 0) -> int:
+        """The world rank at coordinates (d, s, t) and context-parallel rank c."""
+        return ((d * self.pp + s) * self.cp + c) * self.tp + t
 
     def group(self, rank: int, axis: str) -> list[int]:
         """The world ranks that share `rank`'s other two coordinates: its group along axis,
         in increasing order (so the group's rank i is coordinate i along the axis)."""
-        # lab 12.2 begin: fix rank's other two coordinates, slice self.grid along axis
-        d, s, t = self.coords(rank)
+        # lab 12.2 begin: fix rank's other coordinates, slice self.grid along axis
+        (d, s, t), c = self.coords(rank), self.cp_coord(rank)
         if axis == "tp":
-            return self.grid[d, s, :].tolist()
+            return self.grid[d, s, c, :].tolist()
         if axis == "pp":
-            return self.grid[d, :, t].tolist()
+            return self.grid[d, :, c, t].tolist()
         if axis == "dp":
-            return self.grid[:, s, t].tolist()
+            return self.grid[:, s, c, t].tolist()
         # lab 12.2 end
+        if axis == "cp":  # the ranks holding the other chunks of the same sequences
+            return self.grid[d, s, :, t].tolist()
+        if axis == "dcp":  # every replica's every chunk: where the gradients are averaged
+            return self.grid[:, s, :, t].reshape(-1).tolist()
         if axis == "ep":  # its block of ep dp ranks: together they hold every expert once
             lo = d // self.ep * self.ep
-            return self.grid[lo : lo + self.ep, s, t].tolist()
+            return self.grid[lo : lo + self.ep, s, c, t].tolist()
         if axis == "edp":  # the same place in every block: the replicas of its experts
-            return self.grid[d % self.ep :: self.ep, s, t].tolist()
-        raise ValueError(f"axis={axis!r} is not one of {(*AXES, 'ep', 'edp')}")
+            return self.grid[d % self.ep :: self.ep, s, c, t].tolist()
+        raise ValueError(f"axis={axis!r} is not one of {(*AXES, 'cp', 'dcp', 'ep', 'edp')}")
 
     def color(self, rank: int, axis: str) -> int:
         """A number shared exactly by the ranks of rank's group along axis: the split color."""
@@ -96,8 +112,9 @@ class Layout:
     def check(self, world_size: int) -> Layout:
         """self, if it fills world_size ranks exactly; else a ValueError naming every factor."""
         if world_size != self.world_size:
+            cp = f" * cp={self.cp}" if self.cp > 1 else ""
             raise ValueError(
-                f"world_size={world_size} != dp={self.dp} * pp={self.pp} * tp={self.tp}"
+                f"world_size={world_size} != dp={self.dp} * pp={self.pp}{cp} * tp={self.tp}"
                 f" = {self.world_size}"
             )
         return self
@@ -105,7 +122,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the grid and its three sub-communicators (and the world's)."""
+    """This rank's place in the grid and its sub-communicators (and the world's)."""
 
     layout: Layout
     world: object  # Comm
@@ -114,10 +131,21 @@ class Mesh:
     tp_comm: object
     ep_comm: object = None  # with ep > 1 only: expert parallelism's all-to-all group
     edp_comm: object = None  # with ep > 1 only: the replicas of this rank's experts
+    cp_comm: object = None  # with cp > 1 only: context parallelism's ring
+    dcp_comm: object = None  # with cp > 1 only: dp x cp, where gradients are averaged
 
     @property
     def coords(self) -> tuple[int, int, int]:
         return self.layout.coords(self.world.rank)
+
+    @property
+    def cp_coord(self) -> int:
+        return self.layout.cp_coord(self.world.rank)
+
+    @property
+    def grad_comm(self):
+        """Where the replicas average their gradients: dp_comm, or dp x cp with cp > 1."""
+        return self.dp_comm if self.dcp_comm is None else self.dcp_comm
 
 
 def make_mesh(comm, layout: Layout) -> Mesh:
@@ -136,14 +164,23 @@ def make_mesh(comm, layout: Layout) -> Mesh:
                 f"rank {comm.rank}: its {axis} group has rank {sub.rank} of {sub.world_size},"
                 f" expected {coordinate} of {size}"
             )
-    if layout.ep == 1:
-        return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"])
-    # ep carved out of dp, as Megatron places it: two more splits, ep then edp
-    d = layout.coords(comm.rank)[0]
-    ep_comm, edp_comm = (comm.split(layout.color(comm.rank, a)) for a in ("ep", "edp"))
-    for name, sub, want in (("ep", ep_comm, d % layout.ep), ("edp", edp_comm, d // layout.ep)):
-        if sub.rank != want:
+    d, c = layout.coords(comm.rank)[0], layout.cp_coord(comm.rank)
+    more = {}  # each pair split only when its axis is used, so other layouts split as before
+    if layout.cp > 1:  # cp then dcp
+        more |= _split_checked(comm, layout, {"cp": c, "dcp": d * layout.cp + c})
+    if layout.ep > 1:  # ep carved out of dp, as Megatron places it: ep then edp
+        more |= _split_checked(comm, layout, {"ep": d % layout.ep, "edp": d // layout.ep})
+    more = {f"{axis}_comm": sub for axis, sub in more.items()}
+    return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"], **more)
+
+
+def _split_checked(comm, layout: Layout, want: dict[str, int]) -> dict:
+    """{axis: comm.split by the axis's color}, each checked to give this rank the rank want."""
+    subs = {}
+    for axis, rank in want.items():
+        subs[axis] = comm.split(layout.color(comm.rank, axis))
+        if subs[axis].rank != rank:
             raise RuntimeError(
-                f"rank {comm.rank}: its {name} group has rank {sub.rank}, not {want}"
+                f"rank {comm.rank}: its {axis} group has rank {subs[axis].rank}, not {rank}"
             )
-    return Mesh(layout, comm, subs["dp"], subs["pp"], subs["tp"], ep_comm, edp_comm)
+    return subs

@@ -38,7 +38,7 @@ def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(dp_pp_tp):
     grid = layout.grid
     for rank in range(layout.world_size):
         d, s, t = layout.coords(rank)
-        assert layout.rank(d, s, t) == rank == grid[d, s, t]
+        assert layout.rank(d, s, t) == rank == grid[d, s, 0, t]
         tp = layout.group(rank, "tp")
         assert tp == list(range(tp[0], tp[0] + layout.tp)), "tp ranks must be adjacent"
         for axis, coordinate in zip(("dp", "pp", "tp"), (d, s, t), strict=True):
@@ -91,6 +91,47 @@ def test_ep_blocks_of_adjacent_dp_ranks_and_their_replicas(dp_pp_tp, ep):
         replicas = [r for r in peers if layout.coords(r)[0] % ep == d % ep]
         assert layout.group(rank, "ep") == block and block.index(rank) == d % ep
         assert layout.group(rank, "edp") == replicas and replicas.index(rank) == d // ep
+
+
+@pytest.mark.pure
+@settings(max_examples=100, deadline=None)
+@given(sizes, st.integers(1, 3))
+def test_cp_sits_between_pp_and_tp(dp_pp_tp, cp):
+    """rank = ((d pp + s) cp + c) tp + t; cp: the same (d, s, t); dcp: the same (s, t).
+    Brute force from that formula, not from group()."""
+    dp, pp, tp = dp_pp_tp
+    layout = impl("mesh").Layout(dp, pp, tp, cp=cp)
+    place = {((d * pp + s) * cp + c) * tp + t: (d, s, c, t) for d in range(dp)
+             for s in range(pp) for c in range(cp) for t in range(tp)}  # fmt: skip
+    assert sorted(place) == list(range(layout.world_size))
+    for rank, (d, s, c, t) in place.items():
+        assert (layout.coords(rank), layout.cp_coord(rank)) == ((d, s, t), c)
+        assert layout.rank(d, s, t, c) == rank == layout.grid[d, s, c, t]
+        want = [r for r, x in place.items() if (x[0], x[1], x[3]) == (d, s, t)]
+        assert layout.group(rank, "cp") == want and want.index(rank) == c
+        want = [r for r, x in place.items() if (x[1], x[3]) == (s, t)]
+        assert layout.group(rank, "dcp") == want and want.index(rank) == d * cp + c
+        want = [r for r, x in place.items() if (x[0], x[1], x[2]) == (d, s, c)]
+        assert layout.group(rank, "tp") == want, "tp ranks stay adjacent"
+
+
+def cp_members(comm, layout) -> tuple:
+    """The world ranks in this rank's cp and dcp comms, and its rank in each."""
+    mesh = impl("mesh").make_mesh(comm, layout)
+    found = []
+    for sub in (mesh.cp_comm, mesh.dcp_comm):
+        members = torch.empty(sub.world_size, dtype=torch.int64)
+        sub.all_gather(members, torch.tensor([comm.rank]))
+        found.append((members.tolist(), sub.rank))
+    return tuple(found)
+
+
+@pytest.mark.threads
+def test_make_mesh_splits_cp_and_dp_x_cp():
+    layout = impl("mesh").Layout(2, 1, 2, cp=2)
+    for rank, (cp, dcp) in enumerate(run_threads(cp_members, 8, layout)):
+        assert cp[0] == layout.group(rank, "cp") and cp[1] == layout.cp_coord(rank), rank
+        assert dcp[0] == layout.group(rank, "dcp"), rank
 
 
 def ep_members(comm, layout) -> tuple:

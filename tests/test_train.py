@@ -32,6 +32,12 @@ from minidist.launch import launch
 from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
+# top-2 of 4 experts at capacity factor 1: some assignments drop, so the groups must agree
+MOE = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2, experts=4, topk=2,
+                    capacity_factor=1.0)  # fmt: skip
+F64 = {"steps": 2, "warmup": 1, "dtype": "float64", "microbatches": 2}
+EP_CASE = TrainConfig(dp=4, ep=2, batch=8, model=MOE, **F64)
+CP_CASE = TrainConfig(dp=2, cp=2, batch=4, model=TINY, **F64)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -98,6 +104,42 @@ def test_bad_runs_are_refused_naming_every_number():
     assert "schedule='zz'" in "\n".join(TrainConfig(schedule="zz").problems())
     with pytest.raises(ValueError, match="cannot start"):
         TrainConfig(tp=3).check()
+
+
+@pytest.mark.pure
+def test_ep_and_cp_layouts_are_refused_with_every_reason():
+    moe = gpt.GPTConfig(seq_len=24, experts=6)
+    text = "\n".join(TrainConfig(dp=2, ep=4, cp=8, tp=2, zero=1, amp="bf16", model=moe).problems())
+    for expected in (
+        "dp=2 is not divisible by ep=4",
+        "experts=6 is not divisible by ep=4",
+        "seq_len=24 is not divisible by 2*cp=16",
+        "experts=6 with tp=2 is not supported: the experts are not cut over tp",
+        "experts=6 with cp=8 is not supported",
+        "experts=6 with zero=1 is not supported",
+        "experts=6 with amp='bf16' is not supported",
+    ):
+        assert expected in text, text
+    assert "ep=2 needs experts" in "\n".join(TrainConfig(dp=2, ep=2).problems())
+    bad = gpt.GPTConfig(experts=2, topk=3, capacity_factor=0.0)
+    text = "\n".join(TrainConfig(model=bad).problems())
+    assert "topk=3 must be 1 or 2 and at most experts=2" in text, text
+    assert "capacity_factor=0.0 must be > 0" in text, text
+    assert "world_size=4 != dp=1 * pp=1 * cp=2 * tp=1 = 2" in TrainConfig(cp=2).problems(4)
+
+
+@pytest.mark.pure
+def test_the_cli_refuses_checkpoints_of_ep_and_cp_runs():
+    import argparse
+
+    from minidist.gpt import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for flags in (["--cp", "2", "--save", "x"], ["--dp", "2", "--ep", "2", "--experts", "2",
+                                                   "--resume", "x"]):  # fmt: skip
+        found = cli.problems(parser.parse_args(flags), [])
+        assert any("is not supported with --cp or --experts" in f for f in found), found
 
 
 @pytest.mark.pure
@@ -182,6 +224,20 @@ def test_train_threads_at_demo_size(layout):
     run_threads(train_matches_one_process, config.layout.world_size, config, timeout=120)
 
 
+@pytest.mark.threads
+@pytest.mark.parametrize(
+    "layout", [dict(dp=4, ep=2, batch=8, model=MOE),
+               dict(dp=2, ep=2, pp=2, batch=4, checkpointing=True, schedule="zb", model=MOE),
+               dict(dp=2, cp=2, zero=3, checkpointing=True, batch=4),
+               dict(cp=2, tp=2, pp=2, batch=4, schedule="interleaved", chunks=2, microbatches=4)],
+)  # fmt: skip
+def test_train_threads_with_ep_and_cp(layout):
+    """Experts shared out over ep (the routers' gradients over dp, the experts' over edp), and
+    the sequences cut over cp (ring attention, gradients over dp x cp): float64, as above."""
+    config = TrainConfig(**(F64 | {"model": TINY} | layout))
+    run_threads(train_matches_one_process, config.layout.world_size, config, timeout=120)
+
+
 def losses_of(comm, config: TrainConfig) -> list[float]:
     return impl("gpt.train").train(comm, config)[1]["losses"]
 
@@ -221,9 +277,8 @@ def counted_bytes(comm, config: TrainConfig) -> tuple[dict, dict]:
 
     counters = {}
 
-    def observe(axis, sub):
-        counters[axis] = Counter()
-        return ObservedComm(sub, counters[axis])
+    def observe(axis, sub):  # dp x cp counts as dp: both carry the gradients
+        return ObservedComm(sub, counters.setdefault(axis, Counter()))
 
     composed = impl("gpt.train")  # the main job, or lesson 12's lab_train.py
     job = composed.build_job(comm, config, observe=observe)
@@ -240,7 +295,8 @@ def counted_bytes(comm, config: TrainConfig) -> tuple[dict, dict]:
 @pytest.mark.parametrize(
     "options", [dict(), dict(zero=1), dict(checkpointing=True), dict(dtype="float64"),
                 dict(zero=1, amp="bf16"), dict(amp="bf16"),
-                dict(schedule="interleaved", chunks=2, microbatches=4, pp=2, dp=1, tp=4)],
+                dict(schedule="interleaved", chunks=2, microbatches=4, pp=2, dp=1, tp=4),
+                dict(dp=1, cp=2, zero=1, checkpointing=True)],
 )  # fmt: skip
 def test_bytes_per_dimension_equal_the_formulas(options):
     base = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "steps": 2, "warmup": 1, "batch": 8}
@@ -253,9 +309,18 @@ def test_bytes_per_dimension_equal_the_formulas(options):
 
 
 def train_properties_in_ranks(comm, max_examples: int) -> int:
+    """Hypothesis's layouts (dp x pp x tp), then dp 4 with ep 2, and dp 2 x cp 2: side by side on
+    two halves of a world of 8, one after the other on 4."""
     world_of = lambda config: config.layout.world_size  # noqa: E731
     cases = configs(max_world=comm.world_size)
-    return in_subworlds(comm, train_matches_one_process, cases, max_examples, world_of)
+    count = in_subworlds(comm, train_matches_one_process, cases, max_examples, world_of)
+    if comm.world_size == 8:
+        half = comm.split(comm.rank // 4)
+        train_matches_one_process(half, [EP_CASE, CP_CASE][comm.rank // 4])
+    else:
+        for config in (EP_CASE, CP_CASE):
+            train_matches_one_process(comm, config)
+    return count
 
 
 @pytest.mark.processes

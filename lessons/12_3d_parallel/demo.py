@@ -27,7 +27,7 @@ def layout_for(world: int) -> Layout:
 def show_grid(layout: Layout, say) -> None:
     say(f"world {layout.world_size} = dp {layout.dp} x pp {layout.pp} x tp {layout.tp}; "
         f"grid = torch.arange({layout.world_size}).view(dp, pp, tp):")  # fmt: skip
-    for d, replica in enumerate(layout.grid.tolist()):
+    for d, replica in enumerate(layout.grid[:, :, 0, :].tolist()):  # (dp, pp, tp): cp = 1
         say(f"  replica d={d}: " + "  ".join(f"stage s={s} {row}" for s, row in enumerate(replica)))
     say("rank  (d,s,t)  tp group   pp group   dp group")
     for rank in range(layout.world_size):

@@ -5,13 +5,14 @@
     torchrun --nproc-per-node 8 -m minidist.gpt.cli --dp 2 --pp 2 --tp 2
 
 The parent (`minidist train`) checks the layout and the model's shape before any process
-starts, then starts dp*pp*tp ranks of this module; every rank trains (train.py); rank 0 shows
-a progress bar (loss, tokens/s) and at the end prints: per-rank memory, bytes sent per
-dimension (dp/pp/tp: payload per step from a Counter on each sub-comm, beside the formula of
-train.predicted_nbytes), the measured pipeline bubble (the last step's compute spans) beside
-the formula, throughput; and writes into --out: loss.png, pipeline.png, trace.json (open in
-ui.perfetto.dev). --check then trains the same run in one process (in rank 0's) and reports
-the largest relative difference of the loss curve and of the final parameters.
+starts, then starts dp*pp*cp*tp ranks of this module (--ep shares out --experts over dp);
+every rank trains (train.py); rank 0 shows a progress bar (loss, tokens/s) and at the end
+prints: per-rank memory, bytes sent per dimension (dp/pp/tp, and cp/ep when used: payload per
+step from a Counter on each sub-comm, beside the formula of train.predicted_nbytes), the
+measured pipeline bubble (the last step's compute spans) beside the formula, throughput; and
+writes into --out: loss.png, pipeline.png, trace.json (open in ui.perfetto.dev). --check then
+trains the same run in one process (in rank 0's) and reports the largest relative difference
+of the loss curve and of the final parameters.
 --json prints one object instead of the tables (and no bar). Checkpoints (resume.py): --save DIR
 writes DIR/step-NNNNNNN.pt at the end (and every --save-every steps; at --stop-at STEP, which
 ends the run early, as before a time limit); --resume PATH (a file, or a folder: its newest)
@@ -43,14 +44,21 @@ from minidist.pipeline import measured_timeline
 from minidist.schedule_cli import draw_timeline
 from minidist.schedules import NAMES, bubble_formula, bubble_fraction
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "tp", "cp", "ep")
+SIZES = {
+    "dp": "data parallel replicas",
+    "pp": "pipeline stages",
+    "tp": "tensor parallel ranks (heads, d_ff, vocabulary cut)",
+    "cp": "context parallel ranks: each holds 2 zigzag chunks of every sequence, ring attention",
+    "ep": "expert parallel ranks, carved out of dp: each holds experts/ep (needs --experts)",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags, shared by the parent and every rank (they parse the same argv)."""
     d = TrainConfig()
-    for axis in AXES:
-        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size")
+    for axis, what in SIZES.items():
+        p.add_argument(f"--{axis}", type=int, default=1, help=what)
     p.add_argument("--zero", type=int, default=0, choices=range(4), help="0: data parallel")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", choices=NAMES, default=d.schedule)
@@ -68,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = GPTConfig()
     for name in ("seq_len", "d_model", "n_heads", "d_ff", "n_layers"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(m, name))
+    p.add_argument("--experts", type=int, default=0, help="E > 0: every MLP a mixture of E")
+    p.add_argument("--topk", type=int, default=m.topk, help="experts per token (1 or 2)")
+    cf_help = "an expert takes at most ceil(cf topk n / E) of a group's n tokens"
+    p.add_argument("--capacity-factor", type=float, default=m.capacity_factor, help=cf_help)
     p.add_argument("--check", action="store_true", help="compare with one process at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default="out/train", help="folder for pictures and the trace")
@@ -125,6 +137,10 @@ def problems(args: argparse.Namespace, found: list[str]) -> list[str]:
     for flag, path in (("--out", args.out), ("--save", args.save)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             found.append(f"{flag} {path}: a file, not a folder")
+    for flag in ("--save", "--resume"):
+        if getattr(args, flag[2:]) and (args.cp > 1 or args.experts):
+            found.append(f"{flag} is not supported with --cp or --experts (checkpoints hold"
+                         " dp x pp x tp runs of the dense model)")  # fmt: skip
     if args.resume and not found:
         found += [f"--resume {why}" for why in resume.problems(args.resume, config)]
     return found
@@ -212,7 +228,7 @@ def _progress(config: TrainConfig, show: bool, first: int):
 
 # ---- the report: gathered from every rank, printed and drawn by rank 0 ------------------------
 
-COLUMNS = ("params", "optimizer", "activations", "rss", "dp", "pp", "tp", "dp_f", "pp_f", "tp_f")
+COLUMNS = ("params", "optimizer", "activations", "rss", *AXES, *(f"{a}_f" for a in AXES))
 
 
 def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict:
@@ -220,7 +236,8 @@ def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict
     timeline of replica 0's pipeline (collective over pp), the trace events (to rank 0)."""
     world = job.mesh.world
     sent = [sum(n for op, n in counters[a].nbytes.items() if op != "recv") / steps for a in AXES]
-    formula = [-1 if v is None else v for v in predicted_nbytes(job).values()]
+    predicted = predicted_nbytes(job)
+    formula = [-1 if predicted.get(a) is None else predicted[a] for a in AXES]
     held = job.replicas.held_nbytes()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
     mine = [held["params"], held["optimizer"], job.stage.memory.peak, rss, *sent, *formula]
@@ -318,22 +335,24 @@ def _tables(s: dict) -> str:
     ]
     if s["skipped"]:
         lines.append(f"skipped steps (inf/nan): {s['skipped']}")
+    axes = [a for a in AXES if a in ("dp", "pp", "tp") or c[a] > 1]  # cp, ep: when used
     lines += [
         "",
         "per rank: MiB held; KiB handed to each comm per step (the collectives' inputs "
         "and the sends), formula beside; '-': a dimension of size 1 sends nothing",
-        f"{'rank':>4} {'d,s,t':>6} {'params':>8} {'optim':>8} {'activ.':>8} {'rss':>8}"
-        + "".join(f" {a:>10} {a + ' f.':>10}" for a in AXES),
+        f"{'rank':>4} {'d,s,t' if c['cp'] == 1 else 'd,s,c,t':>6} {'params':>8} {'optim':>8}"
+        f" {'activ.':>8} {'rss':>8}" + "".join(f" {a:>10} {a + ' f.':>10}" for a in axes),
     ]
-    layout = TrainConfig(dp=c["dp"], pp=c["pp"], tp=c["tp"]).layout
+    layout = TrainConfig(**{a: c[a] for a in AXES}).layout
     for rank, r in enumerate(s["per_rank"]):
         d, st, t = layout.coords(rank)
+        where = f"{d},{st},{t}" if c["cp"] == 1 else f"{d},{st},{layout.cp_coord(rank)},{t}"
         lines.append(
-            f"{rank:>4} {f'{d},{st},{t}':>6} {_mib(r['params'])} {_mib(r['optimizer'])} "
+            f"{rank:>4} {where:>6} {_mib(r['params'])} {_mib(r['optimizer'])} "
             f"{_mib(r['activations'])} {_mib(r['rss'])}"
             + "".join(
                 f" {_kib(r[a])} {_kib(r[a + '_f'])}" if c[a] > 1 else f" {'-':>10} {'-':>10}"
-                for a in AXES
+                for a in axes
             )
         )
     lines += [

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from minidist.gpt import model as gpt
 
@@ -32,11 +31,11 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
     with job.replicas.gathered():
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
         mine = [
-            _whole_flat(config.model, i, x, mesh.tp_comm)
+            whole_flat(config.model, i, list(x.parameters()), mesh.tp_comm, _ep(job, i))
             for i, x in zip(sum(job.layer_ids, []), layers, strict=True)
         ]
-    if d != 0:
-        return None  # every replica holds the same model
+    if d != 0 or mesh.cp_coord != 0:
+        return None  # every replica (and every cp rank) holds the same model
     ids = sum(job.layer_ids, [])
     found = to_stage_zero(job, {i: x[None] for i, x in zip(ids, mine, strict=True)})  # (1, n_i)
     return None if found is None else [found[i][0] for i in range(config.model.n_layers + 2)]
@@ -50,15 +49,19 @@ def local_parameters(job: Job) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     with job.replicas.gathered():
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
         for i, layer in zip(sum(job.layer_ids, []), layers, strict=True):
-            where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
+            where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm, _ep(job, i))
             mine = torch.cat([q.detach().double().cpu().reshape(-1) for q in layer.parameters()])
             found[i] = (where, mine)
     return found
 
 
-def _whole_flat(model: gpt.GPTConfig, i: int, layer: nn.Module, tp_comm) -> torch.Tensor:
-    """Layer i's whole parameters, flat (float64), from every tp rank's slices."""
-    return whole_flat(model, i, list(layer.parameters()), tp_comm)
+def _ep(job: Job, i: int):
+    """The comm layer i's experts are cut over: ep_comm for a block with experts, else None."""
+    return (
+        job.mesh.ep_comm
+        if job.config.model.experts and 1 <= i <= job.config.model.n_layers
+        else None
+    )
 
 
 def to_stage_zero(job: Job, mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
@@ -87,30 +90,35 @@ def layer_numel(model: gpt.GPTConfig, i: int) -> int:
     return sum(q.numel() for q in gpt.whole_layer(model, i, torch.float64).parameters())
 
 
-def element_numbers(model: gpt.GPTConfig, i: int, tp_comm) -> tuple[torch.Tensor, int]:
+def element_numbers(
+    model: gpt.GPTConfig, i: int, tp_comm, ep_comm=None
+) -> tuple[torch.Tensor, int]:
     """Which elements of layer i's whole parameters (laid end to end, n in all) this tp rank
-    holds, in the order of its own parameters: cut a whole layer whose parameters hold their
-    own element numbers, the same way the model is cut, and read the slices."""
+    (and ep rank) holds, in the order of its own parameters: cut a whole layer whose
+    parameters hold their own element numbers, the same way the model is cut, and read them."""
     probe = gpt.whole_layer(model, i, torch.float64)
     n = 0
     with torch.no_grad():
         for q in probe.parameters():
             q.copy_(torch.arange(n, n + q.numel(), dtype=torch.float64).view_as(q))
             n += q.numel()
-    cut = gpt.parallel_layer(probe, tp_comm).parameters()  # slicing only: no communication
+    cut = gpt.parallel_layer(probe, tp_comm, ep_comm).parameters()  # slicing: no communication
     return torch.cat([q.detach().reshape(-1) for q in cut]).long(), n
 
 
-def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm) -> torch.Tensor:
-    """Layer i's whole tensors, flat (float64), from every tp rank's slices: tensors are this
-    rank's, one per parameter of its cut of layer i, in order (values, or an optimizer's
-    state of the same shapes). An all_gather of the values with their element numbers."""
-    where, n = element_numbers(model, i, tp_comm)
+def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm, ep_comm=None) -> torch.Tensor:
+    """Layer i's whole tensors, flat (float64), from every tp (and ep) rank's slices: tensors
+    are this rank's, one per parameter of its cut of layer i, in order (values, or an
+    optimizer's state of the same shapes). An all_gather of the values with their element
+    numbers over tp, then (a block with experts cut over ep) over ep."""
+    where, n = element_numbers(model, i, tp_comm, ep_comm)
     values = torch.cat([t.detach().double().reshape(-1) for t in tensors])
-    both = torch.empty(
-        tp_comm.world_size, 2, len(values), dtype=torch.float64, device=values.device
-    )
-    tp_comm.all_gather(both, torch.stack([where.to(values.device).double(), values]))
+    both = torch.stack([where.to(values.device).double(), values])  # (2, n_local)
+    for comm in (tp_comm, ep_comm):
+        if comm is not None and comm.world_size > 1:
+            every = both.new_empty(comm.world_size, *both.shape)  # (p, 2, n_local)
+            comm.all_gather(every, both)
+            both = every.transpose(0, 1).reshape(2, -1)  # (2, p n_local)
     both, flat = both.cpu(), torch.empty(n, dtype=torch.float64)
-    flat[both[:, 0].reshape(-1).long()] = both[:, 1].reshape(-1)  # replicated ones: equal
+    flat[both[0].long()] = both[1]  # replicated ones: equal
     return flat

@@ -13,6 +13,9 @@ Paper: Radford et al., Language Models are Unsupervised Multitask Learners (GPT-
 architecture (pre-LayerNorm blocks, a final LayerNorm, learned positions); this one is small,
 byte-level (vocabulary 256), without dropout and with an untied output layer.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2
+With config.experts > 0 every block's MLP is a mixture of experts (moe.py: MoEBlock, its
+experts cut over ep by parallel_layer); context parallelism re-shapes the cut chunks in place
+(context.py).
 
 The model as a sequence of layers, which the pipeline cuts between any two:
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minidist.checkpointing import checkpoint
+from minidist.gpt import moe
 from minidist.partition import balance
 from minidist.tensor_parallel import ColumnParallelLinear, master_linear
 from minidist.tensor_parallel_blocks import (
@@ -55,12 +59,21 @@ class GPTConfig:
     d_ff: int = 256
     n_layers: int = 4
     seed: int = 0
+    experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (moe.py)
+    topk: int = 1  # experts per token
+    capacity_factor: float = 1.25  # an expert takes at most ceil(cf k n / E) of n tokens
 
     def problems(self, tp: int) -> list[str]:
         """What makes this shape unusable with tp tensor-parallel ranks, with the numbers."""
         found = []
         if self.d_model % self.n_heads:
             found.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.experts < 0:
+            found.append(f"experts={self.experts} must be at least 0 (0: a dense MLP)")
+        if self.experts and not 1 <= self.topk <= min(2, self.experts):
+            found.append(f"topk={self.topk} must be 1 or 2 and at most experts={self.experts}")
+        if self.experts and not self.capacity_factor > 0:
+            found.append(f"capacity_factor={self.capacity_factor} must be > 0")
         for name in ("n_heads", "d_ff", "vocab_size"):
             if getattr(self, name) % tp:
                 found.append(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
@@ -73,9 +86,10 @@ class Embedding(nn.Module):
     def __init__(self, tokens: nn.Module, positions: nn.Embedding):
         super().__init__()
         self.tokens, self.positions = tokens, positions
+        self.where = None  # (T,) the tokens' positions; None: 0..T-1 (cp: context.py)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(ids.shape[1], device=ids.device)  # (T,)
+        where = torch.arange(ids.shape[1], device=ids.device) if self.where is None else self.where
         # called as a module (not .weight[:T]): ZeRO-3 gathers a module's weights on its call
         return self.tokens(ids) + self.positions(where)  # (B, T, D)
 
@@ -119,6 +133,8 @@ def whole_layer(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
             _table(c.vocab_size, c.d_model, seed, dtype),
             _table(c.seq_len, c.d_model, seed + 1, dtype),
         )
+    if i <= c.n_layers and c.experts:
+        return moe.whole_block(c, seed, dtype)
     if i <= c.n_layers:
         return TransformerBlock(c.d_model, c.n_heads, c.d_ff, causal=True, seed=seed, dtype=dtype)
     if i == c.n_layers + 1:
@@ -134,8 +150,11 @@ def whole_layers(config: GPTConfig, dtype=torch.float32) -> list[nn.Module]:
     return [whole_layer(config, i, dtype) for i in range(config.n_layers + 2)]
 
 
-def parallel_layer(layer: nn.Module, tp_comm) -> nn.Module:
-    """The same layer cut over tp_comm: this rank's slices of every split weight (from_full)."""
+def parallel_layer(layer: nn.Module, tp_comm, ep_comm=None) -> nn.Module:
+    """The same layer cut over tp_comm: this rank's slices of every split weight (from_full);
+    a mixture-of-experts block's experts cut over ep_comm (None: all of them here)."""
+    if isinstance(layer, moe.MoEBlock):
+        return moe.parallel_block(layer, tp_comm, ep_comm)
     if isinstance(layer, Embedding):
         return Embedding(VocabParallelEmbedding.from_full(layer.tokens, tp_comm), layer.positions)
     if isinstance(layer, TransformerBlock):
@@ -149,6 +168,9 @@ def layer_costs(config: GPTConfig) -> list[int]:
     """Parameters per layer, the pipeline's balancing cost (a block's compute grows alike)."""
     c = config
     block = 4 * c.d_model * c.d_model + 2 * c.d_model * c.d_ff + 9 * c.d_model + c.d_ff
+    if c.experts:  # the router, E experts in place of one MLP
+        mlp = 2 * c.d_model * c.d_ff + c.d_model + c.d_ff
+        block += c.experts * c.d_model + (c.experts - 1) * mlp
     head = c.vocab_size * c.d_model + 2 * c.d_model
     return [(c.vocab_size + c.seq_len) * c.d_model, *[block] * c.n_layers, head]
 
@@ -173,16 +195,17 @@ def stage_chunks(
     dtype=torch.float32,
     recompute: bool = False,
     device=None,
+    ep_comm=None,
 ) -> list[nn.Sequential]:
-    """This rank's chunks: each an nn.Sequential of its layers cut over tp_comm. Only these
-    layers are ever built, whole and then sliced (a larger model would draw the slices alone).
-    recompute: every block checkpointed (its activations recomputed in backward). device:
-    where the chunks go (built on the CPU, from the seed, then moved)."""
+    """This rank's chunks: each an nn.Sequential of its layers cut over tp_comm (and the
+    experts over ep_comm). Only these layers are ever built, whole and then sliced (a larger
+    model would draw the slices alone). recompute: every block checkpointed (its activations
+    recomputed in backward). device: where the chunks go (built on the CPU, then moved)."""
     chunks = []
     for ids in layer_ids:
-        layers = [parallel_layer(whole_layer(config, i, dtype), tp_comm) for i in ids]
+        layers = [parallel_layer(whole_layer(config, i, dtype), tp_comm, ep_comm) for i in ids]
         if recompute:
-            blocks = (ParallelTransformerBlock,)
+            blocks = (ParallelTransformerBlock, moe.MoEBlock)
             layers = [Recompute(x) if isinstance(x, blocks) else x for x in layers]
         chunks.append(nn.Sequential(*layers).to(device or "cpu"))
     return chunks

@@ -6,6 +6,7 @@ one a run uses. Each adapter wraps a technique's object and adds nothing to its 
   DataParallelReplicas     data_parallel.DataParallelBucketed, then AdamW (fp32)
   MixedPrecisionReplicas   amp.MixedPrecisionOptimizer: fp32 masters, a loss scale, dp all-reduce
   ZeroReplicas             zero.wrap: ZeRO-1/2/3, with its own master shards and scaler
+  ExpertReplicas           with experts (moe.py): gradients averaged over their own replicas
 
 The interface (Replicas):
   module          the stage's chunks, one ModuleList
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -37,6 +39,7 @@ from torch import nn
 from minidist import zero as zero_
 from minidist.amp import LossScaler, MixedPrecisionOptimizer
 from minidist.data_parallel import DataParallelBucketed
+from minidist.expert_parallel import ExpertParallelMoE, MoE, sync_grads
 from minidist.memory import storage_nbytes
 from minidist.tensor_parallel_blocks import VocabParallelEmbedding
 from minidist.zero_cost import memory_nbytes
@@ -111,10 +114,13 @@ class Replicas(Protocol):
 
 
 def make_replicas(chunks: list[nn.Module], mesh, config) -> Replicas:
-    """The stage's chunks as one module, kept equal over mesh.dp_comm: ZeRO if config.zero,
-    else mixed precision if config.amp is not fp32, else data parallelism. Collective over dp
-    (each technique broadcasts replica 0's parameters)."""
+    """The stage's chunks as one module, kept equal over dp: ExpertReplicas with experts, else
+    ZeRO if config.zero, else mixed precision if amp is not fp32, else data parallelism; over
+    dp x cp with cp > 1 (mesh.grad_comm: each cp rank saw other tokens of the sequences)."""
     module = nn.ModuleList(chunks)
+    if config.model.experts:
+        return ExpertReplicas(module, mesh, config)
+    mesh = replace(mesh, dp_comm=mesh.grad_comm)
     if config.zero:
         return ZeroReplicas(module, mesh, config)
     if config.amp != "fp32":
@@ -295,6 +301,65 @@ class ZeroReplicas:
 
     def held_nbytes(self) -> dict[str, int]:
         return memory_nbytes(self.zero)
+
+
+class ExpertReplicas:
+    """Data parallel replicas of an MoE model (fp32, no ZeRO): AdamW on each rank; step()
+    averages the gradients over dp by hand, each where it has replicas: dense parameters over
+    dp_comm, each block's router over ep then edp (every dp rank), its experts over edp only
+    (sync_grads), then divides all by dp."""
+
+    def __init__(self, module: nn.ModuleList, mesh, config):
+        self.module, self.mesh, self.dp = module, mesh, config.dp
+        self.scaler = make_scaler(config.amp)
+        self.optimizer = grouped_optimizer(config, module)()
+        self.moes = [m for m in module.modules() if isinstance(m, (MoE, ExpertParallelMoE))]
+        routed = {id(q) for moe in self.moes for q in moe.parameters()}
+        self.dense = [q for q in module.parameters() if id(q) not in routed]
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale
+
+    def accumulating(self):
+        return contextlib.nullcontext()  # the microbatches accumulate; one reduction a step
+
+    def on_backward(self, op) -> None:
+        pass
+
+    def step(self) -> bool:
+        ep_comm, edp_comm, dp_comm = self.mesh.ep_comm, self.mesh.edp_comm, self.mesh.dp_comm
+        for q in self.dense:
+            dp_comm.all_reduce(_grad_or_zeros(q), "sum")
+        for moe in self.moes:  # ep = 1: no ep_comm, and the experts' replicas are all of dp
+            sync_grads(moe, ep_comm, dp_comm if edp_comm is None else edp_comm)
+        for q in self.module.parameters():
+            q.grad.div_(self.dp)  # sums over every dp rank's loss: their mean
+        self.optimizer.step()
+        self.zero_grad()
+        return True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+        self.module.zero_grad(set_to_none=True)
+
+    def gathered(self):
+        return contextlib.nullcontext()
+
+    def state(self, *_):  # never called: the CLI refuses checkpoints of runs with experts
+        raise ValueError("checkpoints of a run with experts are not supported")
+
+    load = state
+
+    def held_nbytes(self) -> dict[str, int]:
+        return _held(self.module, self.optimizer, [])
+
+
+def _grad_or_zeros(q: nn.Parameter) -> torch.Tensor:
+    """q.grad, zeros if backward left none (every rank must reduce the same tensors)."""
+    if q.grad is None:
+        q.grad = torch.zeros_like(q)
+    return q.grad
 
 
 def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

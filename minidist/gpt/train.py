@@ -19,8 +19,13 @@ Memory per rank: Psi_s parameters with their gradients and optimizer state (ZeRO
 by dp; see zero.py), plus the activations the schedule keeps (pipeline.py).
 Order of composition (each step wraps what the one before made):
   1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
+                  (cp > 1: cp_comm, dcp_comm; ep > 1: ep_comm, edp_comm)
   2. model cut    this stage's layers, each sliced over tp_comm     model.py
+                  (the experts over ep_comm: moe.py; the attention
+                  over cp_comm, each rank its zigzag tokens: context.py)
   3. replicas     precision, then data parallel or ZeRO over dp     replicas.py
+                  (over dp x cp with cp > 1; with experts, each
+                  gradient over its own replicas)
   4. pipeline     the stage's chunks run by the schedule over pp    pipeline.py, schedules.py
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
 chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
@@ -37,12 +42,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from minidist.amp import PRECISIONS, Precision
+from minidist.gpt import context, moe
 from minidist.gpt import model as gpt
 from minidist.gpt.data import SONNETS, batch_at, dp_share, load_bytes
 from minidist.gpt.replicas import Replicas, make_replicas
@@ -62,6 +68,8 @@ class TrainConfig:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel, carved out of dp (with model.experts: moe.py)
+    cp: int = 1  # context parallel: each rank T/cp tokens of every sequence (context.py)
     zero: int = 0  # 0: data parallel; 1, 2, 3: ZeRO stage
     microbatches: int = 1
     schedule: str = "1f1b"
@@ -79,7 +87,7 @@ class TrainConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.pp, self.tp)
+        return Layout(self.dp, self.pp, self.tp, self.ep, self.cp)
 
     @property
     def precision(self) -> Precision:
@@ -96,6 +104,8 @@ class TrainConfig:
             "dp": self.dp,
             "pp": self.pp,
             "tp": self.tp,
+            "ep": self.ep,
+            "cp": self.cp,
             "microbatches": self.microbatches,
             "chunks": self.chunks,
             "steps": self.steps,
@@ -117,7 +127,8 @@ class TrainConfig:
         _require(found, self.warmup >= 0, f"warmup={self.warmup} must be at least 0")
         if found:
             return found  # the checks below divide by these numbers
-        return self._layout_problems(self.layout.world_size if world_size is None else world_size)
+        world = self.dp * self.pp * self.cp * self.tp
+        return self._layout_problems(world if world_size is None else world_size)
 
     def _layout_problems(self, world_size: int) -> list[str]:
         """problems() once every count is at least 1: how the numbers fit together."""
@@ -126,8 +137,8 @@ class TrainConfig:
         _require(found, m.seq_len + 1 <= text, why + " of them")
         why = f"steps={self.steps} is below the warm-up of {self.warmup} steps"
         _require(found, self.steps >= self.warmup, why + ": raise --steps or lower --warmup")
-        found += _refused(self.layout.check, world_size)
-        found += m.problems(self.tp)
+        found += _refused(lambda: self.layout.check(world_size))
+        found += m.problems(self.tp) + moe.problems(self) + context.problems(self)
         for name, value, allowed in self.choices:
             _require(found, value in allowed, f"{name}={value!r} is not one of {allowed}")
         why = f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
@@ -209,8 +220,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     config.check(comm.world_size)
     mesh = make_mesh(comm, config.layout)  # 1
     if observe is not None:
-        subs = {axis: observe(axis, getattr(mesh, f"{axis}_comm")) for axis in ("dp", "pp", "tp")}
-        mesh = Mesh(mesh.layout, mesh.world, subs["dp"], subs["pp"], subs["tp"])
+        mesh = _observed(mesh, observe)
     # lab 12.4 begin: steps 2-3: this stage's layer ids and chunks (cut over tp), the replicas
     _, s, _ = mesh.coords
     layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
@@ -221,9 +231,14 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         DTYPES[config.dtype],
         recompute=config.checkpointing,
         device=device,
+        ep_comm=mesh.ep_comm,
     )
+    if mesh.cp_comm is not None:  # before the replicas: ZeRO-3 hooks the modules it finds
+        context.context_parallel(chunks, mesh.cp_comm, config.model.seq_len)
     replicas = make_replicas(chunks, mesh, config)  # 3
     # lab 12.4 end
+    # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline.py); the dp mean: /dp
+    moe.group_blocks(replicas.module, None, 1 / config.microbatches)
     tp_comm = mesh.tp_comm
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -245,6 +260,8 @@ def train_step(job: Job) -> tuple[float, bool]:
     c, (d, s, _) = job.config, job.mesh.coords
     ids, targets = batch_at(job.data, job.step, c.batch, c.model.seq_len, c.seed)  # (B, T)
     ids, targets = dp_share(ids, d, c.dp), dp_share(targets, d, c.dp)  # (B/dp, T)
+    if job.mesh.cp_comm is not None:  # this rank's zigzag chunks: (B/dp, T/cp)
+        ids, targets = (context.shard_tokens(t, job.mesh.cp_comm) for t in (ids, targets))
     ids, targets = ids.to(job.device), targets.to(job.device)
     first, last = s == 0, s == c.pp - 1
     with job.replicas.accumulating():
@@ -272,20 +289,31 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     per chunk and step, 8 for the loss's broadcast. dp: the all-reduce of Psi_s + P_s
     (gradients and "used" flags) in the master dtype (data parallel; mixed precision: Psi_s
     in the reduce dtype and no flags); ZeRO-1 reduce-scatters the padded Psi_s, all-gathers
-    the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss."""
+    the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss.
+    cp > 1: n = b T / cp tokens, dp counts dp x cp ranks; cp per microbatch and block: ring
+    attention's 2 (cp-1) + 2 (2cp-1) messages of a / tp (k|v on, then k|v and dk|dv), the
+    forward's again when recomputed. With experts, dp and ep depend on the routing: None.
+    The keys: dp, pp, tp, and cp and ep where they are larger than 1."""
     c, (_, s, _) = job.config, job.mesh.coords
     m = c.microbatches
     e = c.precision.compute.itemsize  # bytes of an activation element
     x = torch.promote_types(c.precision.compute, torch.float32).itemsize  # of a loss element
     f = c.precision.master.itemsize  # of a gradient element (the reduce dtype)
-    n = c.batch // (c.dp * m) * c.model.seq_len  # tokens in a microbatch
+    n = c.batch // (c.dp * m) * c.model.seq_len // c.cp  # tokens in a microbatch, here
     a = n * c.model.d_model * e  # bytes of one activation
     params = [q for q in job.replicas.module.parameters() if q.requires_grad]
-    return {
-        "dp": _dp_nbytes(c, params, e, f),
+    blocks = sum(1 for i in sum(job.layer_ids, []) if 1 <= i <= c.model.n_layers)
+    ring = 2 * (c.cp - 1) * (2 if c.checkpointing else 1) + 2 * (2 * c.cp - 1)
+    found = {
+        "dp": None if c.model.experts else _dp_nbytes(c, params, e, f),
         "pp": _pp_nbytes(c, s, m * a),
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
     }
+    if c.cp > 1:
+        found["cp"] = m * blocks * ring * a // c.tp
+    if c.ep > 1:
+        found["ep"] = None  # the all-to-alls carry what the routers decide: no formula
+    return found
 
 
 def _tp_nbytes(c: TrainConfig, ids: list[int], a: int, loss_row: int) -> int:
@@ -329,21 +357,32 @@ def _dp_nbytes(c: TrainConfig, params: list, e: int, f: int) -> int | None:
     if c.zero == 0:
         return 8 + numel * f + flags
     if c.zero == 1:
-        shard = -(-numel // c.dp)  # ceil: the padded shard
-        return 8 + shard * c.dp * f + shard * e + flags  # reduce-scatter, all-gather, flags
+        p = c.dp * c.cp  # the ranks the gradients are averaged over
+        shard = -(-numel // p)  # ceil: the padded shard
+        return 8 + shard * p * f + shard * e + flags  # reduce-scatter, all-gather, flags
     return None
 
 
 def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> float:
     """The mean over the whole batch, on every rank: the last stage's mean over microbatches,
-    averaged over dp, then broadcast along the pipeline. Collectives: dp all_reduce, pp
-    broadcast (one float64 each)."""
+    averaged over dp (x cp: each cp rank's mean is over its T/cp tokens), then broadcast along
+    the pipeline. Collectives: dp (x cp) all_reduce, pp broadcast (one float64 each)."""
     mean = torch.zeros(1, dtype=torch.float64, device=device)
     if losses:  # the last stage
         mean += torch.stack(losses).double().mean() / scale
-    mesh.dp_comm.all_reduce(mean, "sum")
+    mesh.grad_comm.all_reduce(mean, "sum")
     mesh.pp_comm.broadcast(mean, mesh.layout.pp - 1)
-    return mean.item() / mesh.layout.dp
+    return mean.item() / (mesh.layout.dp * mesh.layout.cp)
+
+
+def _observed(mesh: Mesh, observe: Callable) -> Mesh:
+    """mesh with each sub-comm wrapped by observe(axis, comm); dp x cp and edp count as dp
+    (the gradients' traffic), ep as ep, cp as cp."""
+    axes = {"dp": "dp", "pp": "pp", "tp": "tp", "cp": "cp", "dcp": "dp", "ep": "ep", "edp": "dp"}
+    subs = {f"{a}_comm": getattr(mesh, f"{a}_comm") for a in axes}
+    return replace(
+        mesh, **{k: v if v is None else observe(axes[k[:-5]], v) for k, v in subs.items()}
+    )
 
 
 def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):

@@ -1,0 +1,82 @@
+"""Context parallelism in the main job: each cp rank holds its zigzag chunks of every sequence,
+and every block's attention runs as ring attention over cp_comm.
+
+Equals: train_whole, the same model on the whole sequences: every rank embeds its tokens at
+their global positions (positions), runs the blocks on its T/cp tokens (every other layer acts
+token by token), attends through ring_attention (context_parallel.py), and takes the mean
+cross-entropy over its own tokens. Every cp rank holds T/cp tokens of the same b sequences, so
+the whole batch's mean loss is the mean of the dp x cp ranks' means: the replicas average the
+gradients over dcp_comm (dp x cp) instead of dp_comm, which is the gradients summed over cp
+with each rank's loss divided by cp, then the usual dp average. float64: losses 1e-12
+relative, parameters 1e-10 (tests/test_train.py).
+Communication per step, per rank: per block and microbatch, ring_attention's (forward 2 (cp-1)
+n b bytes, backward 2 (2cp-1) n b, n = b H (T/cp) d / tp elements); the gradient average over
+dp x cp in place of dp (its bytes 2 (dp cp - 1) / (dp cp) of the gradients on a ring).
+Memory per rank: 1/cp of every activation (tokens) and of attention's saved tensors; the
+whole model (no weight is cut over cp).
+Ladder: positions (which tokens a rank holds) -> RingSelfAttention (the block's attention over
+the ring) -> context_parallel (a stage's chunks made context parallel in place).
+Paper: Liu, Zaharia and Abbeel, Ring Attention (2023); Llama Team, The Llama 3 Herd of Models
+(2024), section 3.3.2 (the zigzag chunks; the gradients reduced over the cp x dp group).
+Lesson: lessons/15_context_parallel/.   Run: minidist train --dp 2 --cp 2 --tp 2 --check
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minidist.context_parallel import chunk_size, chunks_of, ring_attention, shard_sequence
+from minidist.gpt.model import Embedding, unwrap
+from minidist.tensor_parallel_blocks import ParallelSelfAttention, ParallelTransformerBlock
+
+LAYOUT = "zigzag"  # every cp rank the same causal work (lesson 15)
+
+
+def positions(seq_len: int, cp: int, c: int) -> torch.Tensor:
+    """(T/cp,) the global positions of the tokens cp rank c holds: its two chunks of 2 cp."""
+    m = chunk_size(seq_len, cp, LAYOUT)
+    return torch.cat([torch.arange(i * m, (i + 1) * m) for i in chunks_of(cp, c, LAYOUT)])
+
+
+def shard_tokens(t: torch.Tensor, cp_comm) -> torch.Tensor:
+    """This cp rank's tokens of t (b, T) (ids or targets): (b, T/cp), its chunks in order."""
+    return shard_sequence(t, cp_comm, LAYOUT, dim=1)
+
+
+class RingSelfAttention(nn.Module):
+    """A ParallelSelfAttention's qkv and proj (heads cut over tp) around ring_attention over
+    cp_comm: x_local (B, T/cp, D) -> (B, T/cp, D), this rank's tokens in shard order."""
+
+    def __init__(self, attn: ParallelSelfAttention, cp_comm):
+        super().__init__()
+        self.qkv, self.proj, self.n_heads = attn.qkv, attn.proj, attn.n_heads_local
+        self.cp_comm = cp_comm
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x_local.shape
+        qkv = self.qkv(x_local)  # (B, T/cp, 3 D/tp): [q | k | v], heads contiguous in each
+        hd = qkv.shape[-1] // (3 * self.n_heads)
+        q, k, v = qkv.view(b, n, 3, self.n_heads, hd).permute(2, 0, 3, 1, 4)  # (B, h, T/cp, hd)
+        y = ring_attention(q, k, v, self.cp_comm, LAYOUT)  # (B, h, T/cp, hd)
+        return self.proj(y.transpose(1, 2).reshape(b, n, self.n_heads * hd))  # (B, T/cp, D)
+
+
+def context_parallel(chunks: list[nn.Module], cp_comm, seq_len: int) -> None:
+    """Make a stage's chunks context parallel, in place: the embedding looks up this rank's
+    positions, every block attends over the ring. The parameters stay the same tensors."""
+    cp, c = cp_comm.world_size, cp_comm.rank
+    for chunk in chunks:
+        for layer in map(unwrap, chunk):
+            if isinstance(layer, Embedding):
+                layer.where = positions(seq_len, cp, c).to(layer.positions.weight.device)
+            if isinstance(layer, ParallelTransformerBlock):
+                layer.attn = RingSelfAttention(layer.attn, cp_comm)
+
+
+def problems(config) -> list[str]:
+    """What stops a TrainConfig's cp from running, with the numbers."""
+    t, cp = config.model.seq_len, config.cp
+    if cp > 1 and t % (2 * cp):
+        return [f"seq_len={t} is not divisible by 2*cp={2 * cp} (zigzag: two chunks per cp rank)"]
+    return []
