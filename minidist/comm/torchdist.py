@@ -7,8 +7,9 @@ Every operation is issued asynchronously (`async_op=True`) and waited on with th
 timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number and peer.
 No wrong numbers from a mismatch (Gloo fills a larger receive buffer silently, aborts on a
 smaller one, matches collectives by order alone): messages travel framed with their count and
-dtype (`_frame`, `_unframe`), and every collective starts with `_agree` (protocol.agree: one
-all-gather of the signature, carrying a small payload along so that it needs no second one).
+dtype, a large one's bulk beside the frame straight from storage to storage (frames.py), and
+every collective starts with `_agree` (protocol.agree: one all-gather of the signature, carrying
+a small payload along so that it needs no second one).
 
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
 should end, which is what the launcher does). And Gloo's point-to-point receives report
@@ -29,11 +30,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import frames
 from .agreement import SLOT_BYTES, agree, finish_fused, signature
 from .protocol import (
     DEFAULT_TIMEOUT,
-    DTYPE_CODE,
-    DTYPES,
     Blocking,
     CallbackWork,
     CommError,
@@ -46,13 +46,9 @@ from .protocol import (
     check_peer,
     check_tag,
     describe,
-    dtype_name,
     flat_bytes,
 )
 from .tagged import timeout_note
-
-HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
-CLASSES = 64  # wire tag = tag * CLASSES + size class: MAX_TAG * CLASSES fits Gloo's 32 bits
 
 _OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 # newer torch renamed the flat-tensor collectives; use whichever this torch has
@@ -145,23 +141,24 @@ def close_all() -> None:
 
 
 class _TorchWork:
-    """A torch.distributed Work, waited on with a timeout that names the operation."""
+    """torch.distributed Works (one operation's), waited on with a timeout naming the operation."""
 
-    def __init__(self, comm: TorchDistComm, work, what: str, seq: int, peer=None):
-        self.comm, self.work, self.what, self.seq, self.peer = comm, work, what, seq, peer
+    def __init__(self, comm: TorchDistComm, works: list, what: str, seq: int, peer=None):
+        self.comm, self.works, self.what, self.seq, self.peer = comm, works, what, seq, peer
         self.done = False
         self.hint = ""  # said after "timed out": what a wait this long may mean
         self.tag = None  # a message's: its timeout names the collective it waited in
 
     def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
+        return self.done or all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
         if self.done:
             return
         start = time.monotonic()
         try:
-            self.work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
+            for work in self.works:  # a message's frame, then its bulk (see _bulk)
+                work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
         except RuntimeError as e:
             where = describe(self.comm, self.what, self.seq, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
@@ -211,13 +208,15 @@ class TorchDistComm(Blocking):
                 raise
             raise PeerFailed(f"{describe(self, what, self.seq, peer)} failed: {e}") from e
 
-    def _work(self, work, what, peer=None, finish=lambda: None) -> CallbackWork:
-        return CallbackWork(_TorchWork(self, work, what, self.seq, peer), finish)
+    def _work(self, works, what, peer=None, finish=lambda: None) -> CallbackWork:
+        works = works if isinstance(works, list) else [works]
+        return CallbackWork(_TorchWork(self, works, what, self.seq, peer), finish)
 
     def _back(self, dense: torch.Tensor, t: torch.Tensor):
         return (lambda: None) if dense is t else (lambda: t.copy_(dense))
 
-    # point-to-point: every message framed (see _frame), messages to self kept here
+    # point-to-point: every message framed, its bulk beside it (frames.py), messages to self
+    # kept here
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> CallbackWork:
         check_peer(self, dst, "dst")
@@ -225,11 +224,13 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if dst == self.rank:  # Gloo cannot send to itself
             return self.to_self.send(t, tag)
-        frame, what = _frame(t), f"send(tag={tag})"
-        work = self._issue(
-            what, dst, dist.isend, frame, self._global(dst), tag=tag * CLASSES + _size_class(t)
-        )
-        done = self._work(work, what, dst)
+        data = flat_bytes(t.detach().contiguous())  # (nbytes,) uint8: t's own memory if dense
+        bulk, what = frames.bulk_bytes(data.numel()), f"send(tag={tag})"
+        frame = frames.make_frame(t, data[bulk:])
+        works = [self._p2p(dist.isend, what, dst, frame, frames.frame_tag(tag, len(frame)))]
+        if bulk:  # Gloo's Work holds data (t's memory) until the send is done
+            works.append(self._p2p(dist.isend, what, dst, data[:bulk], frames.bulk_tag(tag, bulk)))
+        done = self._work(works, what, dst)
         done.inner.tag = tag
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
         # it is waited for, so a sender that raises (or forgets) still delivers what it started
@@ -242,25 +243,35 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if src == self.rank:
             return self.to_self.recv(t, tag, self.seq)
-        k, what, seq = _size_class(t), f"recv(tag={tag})", self.seq
-        frame = torch.empty(1 << k, dtype=torch.uint8, device=t.device)  # any frame of class k
-        work = self._issue(what, src, dist.irecv, frame, self._global(src), tag=tag * CLASSES + k)
-        done = self._work(work, what, src, lambda: self._unframe(frame, t, src, tag, seq))
-        done.inner.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
-        done.inner.tag = tag
+        dense, what, seq = self._dense(t), f"recv(tag={tag})", self.seq
+        data = flat_bytes(dense)  # dense's own memory: the bulk lands there directly
+        bulk = frames.bulk_bytes(data.numel())
+        frame_bytes = frames.HEADER_BYTES + data.numel() - bulk  # the sender's, if it matches
+        frame = frames.frame_buffer(frame_bytes, t.device)
+        works = [self._p2p(dist.irecv, what, src, frame, frames.frame_tag(tag, frame_bytes))]
+        if bulk:  # posted now too: a sender that waits on its bulk must not wait for our wait()
+            works.append(self._p2p(dist.irecv, what, src, data[:bulk], frames.bulk_tag(tag, bulk)))
+
+        def finish():
+            sent = frames.mismatch(frame, dense)
+            if sent is not None:
+                raise CommError(
+                    f"{describe(self, what, seq, src)}: rank {src} sent {sent}, this rank "
+                    f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
+                )
+            frames.unframe(frame, data[bulk:])
+            rest.wait()  # the bulk, after the header: a bulk of another size never comes
+            self._back(dense, t)()
+
+        done, rest = self._work(works[:1], what, src, finish), self._work(works[1:], what, src)
+        for waiting in (done.inner, rest.inner):
+            waiting.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
+            waiting.tag = tag
         return done
 
-    def _unframe(self, frame: torch.Tensor, t: torch.Tensor, src: int, tag: int, seq: int):
-        """Check a received frame's header against t, then copy its payload into t."""
-        numel, code = frame[:HEADER_BYTES].view(torch.int64).tolist()
-        if numel != t.numel() or code != DTYPE_CODE.get(t.dtype, len(DTYPES)):
-            raise CommError(
-                f"{describe(self, f'recv(tag={tag})', seq, src)}: rank {src} sent {numel} x "
-                f"{dtype_name(code)}, this rank expects {t.numel()} x {t.dtype} "
-                f"(shape {tuple(t.shape)})"
-            )
-        nbytes = t.numel() * t.element_size()
-        t.copy_(frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(t.dtype).reshape(t.shape))
+    def _p2p(self, start, what: str, peer: int, t: torch.Tensor, wire_tag: int):
+        """dist.isend or dist.irecv of t with peer (a rank of this comm) under wire_tag."""
+        return self._issue(what, peer, start, t, self._global(peer), tag=wire_tag)
 
     # collectives
 
@@ -337,7 +348,7 @@ class TorchDistComm(Blocking):
             mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
             rows = torch.empty(self.world_size * SLOT_BYTES, dtype=torch.uint8, device=self.device)
             work = self._issue(what, None, _all_gather_flat, rows, mine)
-            _TorchWork(self, work, what, self.seq).wait()
+            _TorchWork(self, [work], what, self.seq).wait()
             return rows.cpu().numpy()
 
         return agree(self, sig, gather, payload)
@@ -363,22 +374,6 @@ class TorchDistComm(Blocking):
         comm = TorchDistComm(group, self.backend, self.device, self.timeout)
         _split_comms.add(comm)
         return comm
-
-
-def _size_class(t: torch.Tensor) -> int:
-    """k such that t's frame fits in 2**k bytes but not in 2**(k-1): a receive takes any frame
-    of its class (a buffer of 2**k), so counts that differ less than that are named, not lost."""
-    return (HEADER_BYTES + t.numel() * t.element_size()).bit_length()
-
-
-def _frame(t: torch.Tensor) -> torch.Tensor:
-    """t as one message: HEADER_BYTES of (numel, dtype code) as int64, then t's bytes."""
-    nbytes = t.numel() * t.element_size()
-    frame = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=t.device)
-    head = torch.tensor([t.numel(), DTYPE_CODE.get(t.dtype, len(DTYPES))])
-    frame[:HEADER_BYTES] = head.view(torch.uint8)
-    frame[HEADER_BYTES:] = flat_bytes(t.detach().contiguous())
-    return frame
 
 
 def _groups_made() -> int:
