@@ -25,7 +25,7 @@ import struct
 
 import torch
 
-from .protocol import DTYPE_CODE, DTYPES, dtype_name
+from .protocol import DTYPE_CODE, DTYPES, dtype_name, flat_bytes
 
 HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
 _HEADER = struct.Struct("=qq")  # native order, as torch's int64 views read it
@@ -52,21 +52,22 @@ def bulk_tag(tag: int, bulk: int) -> int:
     return tag * CODES + BULK + bulk.bit_length() - 1
 
 
-def make_frame(t: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
-    """HEADER_BYTES of (t.numel(), dtype code), then the bytes of `rest` (uint8, contiguous:
-    t's bytes after the bulk). On the CPU through plain bytes: each torch operation costs
-    microseconds, more than copying a small message."""
+def make_frame(t: torch.Tensor, lo: int) -> torch.Tensor:
+    """HEADER_BYTES of (t.numel(), dtype code), then t's bytes from byte lo on (t contiguous;
+    lo: its bulk). On the CPU through plain bytes: each torch operation costs microseconds,
+    more than copying a small message."""
     head = _HEADER.pack(t.numel(), DTYPE_CODE.get(t.dtype, len(DTYPES)))
-    if not rest.is_cpu:
-        frame = torch.empty(HEADER_BYTES + rest.numel(), dtype=torch.uint8, device=rest.device)
+    n = t.numel() * t.element_size() - lo
+    if not t.is_cpu:
+        frame = torch.empty(HEADER_BYTES + n, dtype=torch.uint8, device=t.device)
         frame[:HEADER_BYTES] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        frame[HEADER_BYTES:] = rest
+        frame[HEADER_BYTES:] = flat_bytes(t)[lo:]
         return frame
-    buf = bytearray(HEADER_BYTES + rest.numel())
+    buf = bytearray(HEADER_BYTES + n)
     buf[:HEADER_BYTES] = head
     frame = torch.frombuffer(buf, dtype=torch.uint8)  # buf's memory, kept alive by the tensor
-    if rest.numel():
-        ctypes.memmove(frame.data_ptr() + HEADER_BYTES, rest.data_ptr(), rest.numel())
+    if n:
+        ctypes.memmove(frame.data_ptr() + HEADER_BYTES, t.data_ptr() + lo, n)
     return frame
 
 
@@ -78,17 +79,21 @@ def frame_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 def mismatch(frame: torch.Tensor, t: torch.Tensor) -> str | None:
     """None if the frame's header matches t's count and dtype, else what it holds:
     '4 x torch.int32'."""
-    head = frame[:HEADER_BYTES]
-    raw = ctypes.string_at(head.data_ptr(), HEADER_BYTES) if head.is_cpu else head.cpu().numpy()
-    numel, code = _HEADER.unpack(bytes(raw))
+    if frame.is_cpu:
+        head = ctypes.string_at(frame.data_ptr(), HEADER_BYTES)
+    else:
+        head = frame[:HEADER_BYTES].cpu().numpy().tobytes()
+    numel, code = _HEADER.unpack(head)
     if numel == t.numel() and code == DTYPE_CODE.get(t.dtype, len(DTYPES)):
         return None
     return f"{numel} x {dtype_name(code)}"
 
 
-def unframe(frame: torch.Tensor, rest: torch.Tensor) -> None:
-    """Copy the frame's payload into `rest` (uint8, contiguous): the caller checked the header."""
-    if rest.is_cpu and rest.numel():
-        ctypes.memmove(rest.data_ptr(), frame.data_ptr() + HEADER_BYTES, rest.numel())
-    elif rest.numel():
-        rest.copy_(frame[HEADER_BYTES : HEADER_BYTES + rest.numel()])
+def unframe(frame: torch.Tensor, t: torch.Tensor, lo: int) -> None:
+    """Copy the frame's payload into t's bytes from byte lo on (t contiguous; the caller has
+    checked the header)."""
+    n = t.numel() * t.element_size() - lo
+    if t.is_cpu and n:
+        ctypes.memmove(t.data_ptr() + lo, frame.data_ptr() + HEADER_BYTES, n)
+    elif n:
+        flat_bytes(t)[lo:] = frame[HEADER_BYTES : HEADER_BYTES + n]

@@ -146,7 +146,7 @@ class _TorchWork:
     def __init__(self, comm: TorchDistComm, works: list, what: str, seq: int, peer=None):
         self.comm, self.works, self.what, self.seq, self.peer = comm, works, what, seq, peer
         self.done = False
-        self.hint = ""  # said after "timed out": what a wait this long may mean
+        self.expects = None  # a receive's tensor: its timeout says what it expected
         self.tag = None  # a message's: its timeout names the collective it waited in
 
     def is_completed(self) -> bool:
@@ -157,15 +157,16 @@ class _TorchWork:
             return
         start = time.monotonic()
         try:
-            for work in self.works:  # a message's frame, then its bulk (see _bulk)
+            for work in self.works:  # a message's frame, then its bulk (frames.py)
                 work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
         except RuntimeError as e:
             where = describe(self.comm, self.what, self.seq, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
                 note = "" if self.tag is None else timeout_note(self.tag, self.peer, None)
-                raise CommTimeout(
-                    f"{where} timed out after {self.comm.timeout:g}s{self.hint}{note}"
-                ) from e
+                if self.expects is not None:
+                    t = self.expects
+                    note = f" (expects {t.numel()} x {t.dtype}; far other sizes never match){note}"
+                raise CommTimeout(f"{where} timed out after {self.comm.timeout:g}s{note}") from e
             raise PeerFailed(f"{where} failed: {e}") from e
         self.done = True
 
@@ -196,13 +197,15 @@ class TorchDistComm(Blocking):
         return t if t.is_contiguous() else t.contiguous()
 
     def _issue(self, what: str, peer, start, *args, **kwargs):
-        """start(*args, group=this comm's group, **kwargs), a torch.distributed call (async_op
-        for a collective). Gloo may fail at once when a peer has died (its connection is
-        closed): that is a PeerFailed, as it would be in wait()."""
-        if start not in (dist.isend, dist.irecv):
-            kwargs["async_op"] = True
+        """start(*args, group=this comm's group, async_op=True, **kwargs), a torch.distributed
+        collective. Gloo may fail at once when a peer has died (its connection is closed): that
+        is a PeerFailed, as it would be in wait()."""
+        return self._call(what, peer, start, *args, group=self.group, async_op=True, **kwargs)
+
+    def _call(self, what: str, peer, fn, *args, **kwargs):
+        """fn(*args, **kwargs), a dead peer's error (a closed connection) as a PeerFailed."""
         try:
-            return start(*args, group=self.group, **kwargs)
+            return fn(*args, **kwargs)
         except RuntimeError as e:
             if not any(word in str(e) for word in ("closed", "reset", "Broken pipe")):
                 raise
@@ -224,12 +227,13 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if dst == self.rank:  # Gloo cannot send to itself
             return self.to_self.send(t, tag)
-        data = flat_bytes(t.detach().contiguous())  # (nbytes,) uint8: t's own memory if dense
-        bulk, what = frames.bulk_bytes(data.numel()), f"send(tag={tag})"
-        frame = frames.make_frame(t, data[bulk:])
-        works = [self._p2p(dist.isend, what, dst, frame, frames.frame_tag(tag, len(frame)))]
-        if bulk:  # Gloo's Work holds data (t's memory) until the send is done
-            works.append(self._p2p(dist.isend, what, dst, data[:bulk], frames.bulk_tag(tag, bulk)))
+        dense = t.detach().contiguous()  # t itself if contiguous
+        bulk, what = frames.bulk_bytes(dense.numel() * dense.element_size()), f"send(tag={tag})"
+        frame = frames.make_frame(dense, bulk)
+        works = [self._p2p("send", what, dst, frame, frames.frame_tag(tag, len(frame)))]
+        if bulk:  # Gloo's Work holds the tensor (dense's memory) until the send is done
+            data = flat_bytes(dense)[:bulk]
+            works.append(self._p2p("send", what, dst, data, frames.bulk_tag(tag, bulk)))
         done = self._work(works, what, dst)
         done.inner.tag = tag
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
@@ -244,13 +248,14 @@ class TorchDistComm(Blocking):
         if src == self.rank:
             return self.to_self.recv(t, tag, self.seq)
         dense, what, seq = self._dense(t), f"recv(tag={tag})", self.seq
-        data = flat_bytes(dense)  # dense's own memory: the bulk lands there directly
-        bulk = frames.bulk_bytes(data.numel())
-        frame_bytes = frames.HEADER_BYTES + data.numel() - bulk  # the sender's, if it matches
+        nbytes = dense.numel() * dense.element_size()
+        bulk = frames.bulk_bytes(nbytes)
+        frame_bytes = frames.HEADER_BYTES + nbytes - bulk  # the sender's, if it sent what t holds
         frame = frames.frame_buffer(frame_bytes, t.device)
-        works = [self._p2p(dist.irecv, what, src, frame, frames.frame_tag(tag, frame_bytes))]
+        works = [self._p2p("recv", what, src, frame, frames.frame_tag(tag, frame_bytes))]
         if bulk:  # posted now too: a sender that waits on its bulk must not wait for our wait()
-            works.append(self._p2p(dist.irecv, what, src, data[:bulk], frames.bulk_tag(tag, bulk)))
+            data = flat_bytes(dense)[:bulk]  # dense's own memory: the bulk lands there directly
+            works.append(self._p2p("recv", what, src, data, frames.bulk_tag(tag, bulk)))
 
         def finish():
             sent = frames.mismatch(frame, dense)
@@ -259,19 +264,23 @@ class TorchDistComm(Blocking):
                     f"{describe(self, what, seq, src)}: rank {src} sent {sent}, this rank "
                     f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
                 )
-            frames.unframe(frame, data[bulk:])
-            rest.wait()  # the bulk, after the header: a bulk of another size never comes
+            frames.unframe(frame, dense, bulk)
+            if rest is not None:  # the bulk, after the header: a bulk of another size never comes
+                rest.wait()
             self._back(dense, t)()
 
-        done, rest = self._work(works[:1], what, src, finish), self._work(works[1:], what, src)
-        for waiting in (done.inner, rest.inner):
-            waiting.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
-            waiting.tag = tag
+        done = self._work(works[:1], what, src, finish)
+        rest = self._work(works[1:], what, src) if bulk else None
+        for waiting in (done.inner, (rest or done).inner):
+            waiting.expects, waiting.tag = t, tag
         return done
 
-    def _p2p(self, start, what: str, peer: int, t: torch.Tensor, wire_tag: int):
-        """dist.isend or dist.irecv of t with peer (a rank of this comm) under wire_tag."""
-        return self._issue(what, peer, start, t, self._global(peer), tag=wire_tag)
+    def _p2p(self, start: str, what: str, peer: int, t: torch.Tensor, wire_tag: int):
+        """The process group's own send or recv of t with peer (a rank of this comm) under
+        wire_tag: dist.isend and dist.irecv add only checks made here already, and a Python
+        cost as large as a small message's."""
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        return self._call(what, peer, getattr(pg, start), [t], peer, wire_tag)
 
     # collectives
 
