@@ -185,6 +185,7 @@ class TorchDistComm(Blocking):
         self.collectives = 0  # collectives issued: the number a mismatch is reported with
         self.to_self = SelfMessages(self)
         self.sending: list[_TorchWork] = []  # sends not yet waited for (see isend)
+        self.spares = frames.Spares(device)  # frame buffers to use again
 
     def __repr__(self) -> str:
         return f"TorchDistComm({self.backend}, rank={self.rank}, world_size={self.world_size})"
@@ -227,14 +228,17 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if dst == self.rank:  # Gloo cannot send to itself
             return self.to_self.send(t, tag)
-        dense = t.detach().contiguous()  # t itself if contiguous
-        bulk, what = frames.bulk_bytes(dense.numel() * dense.element_size()), f"send(tag={tag})"
-        frame = frames.make_frame(dense, bulk)
+        dense, what = t.detach().contiguous(), f"send(tag={tag})"  # dense: t itself if contiguous
+        nbytes = dense.numel() * dense.element_size()
+        bulk = frames.bulk_bytes(nbytes)
+        frame = frames.make_frame(
+            dense, bulk, self.spares.take(frames.HEADER_BYTES + nbytes - bulk)
+        )
         works = [self._p2p("send", what, dst, frame, frames.frame_tag(tag, len(frame)))]
         if bulk:  # Gloo's Work holds the tensor (dense's memory) until the send is done
             data = flat_bytes(dense)[:bulk]
             works.append(self._p2p("send", what, dst, data, frames.bulk_tag(tag, bulk)))
-        done = self._work(works, what, dst)
+        done = self._work(works, what, dst, lambda: self.spares.give(frame))
         done.inner.tag = tag
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
         # it is waited for, so a sender that raises (or forgets) still delivers what it started
@@ -251,7 +255,7 @@ class TorchDistComm(Blocking):
         nbytes = dense.numel() * dense.element_size()
         bulk = frames.bulk_bytes(nbytes)
         frame_bytes = frames.HEADER_BYTES + nbytes - bulk  # the sender's, if it sent what t holds
-        frame = frames.frame_buffer(frame_bytes, t.device)
+        frame = self.spares.take(1 << frame_bytes.bit_length())  # any frame of its size class
         works = [self._p2p("recv", what, src, frame, frames.frame_tag(tag, frame_bytes))]
         if bulk:  # posted now too: a sender that waits on its bulk must not wait for our wait()
             data = flat_bytes(dense)[:bulk]  # dense's own memory: the bulk lands there directly
@@ -265,6 +269,7 @@ class TorchDistComm(Blocking):
                     f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
                 )
             frames.unframe(frame, dense, bulk)
+            self.spares.give(frame)
             if rest is not None:  # the bulk, after the header: a bulk of another size never comes
                 rest.wait()
             self._back(dense, t)()
