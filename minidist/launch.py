@@ -220,8 +220,8 @@ def launch(
     base["MINIDIST_FAILURE_DIR"] = failures
     base.setdefault("PYTHONUNBUFFERED", "1")
     # torch's default is a thread per core in each rank: n ranks oversubscribe the cores n
-    # times, and a copy of 1 MiB took 16 ms instead of 0.07 ms (2 ranks on 2 busy cores).
-    # torchrun sets 1; a share of the cores each, unless the user has chosen
+    # times, and on the busy 2-core machine a 1 MiB copy with 2 threads took 16 ms, with one
+    # 0.07 ms. torchrun sets 1; here a share of the cores each, unless the user has chosen
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     wrapped = [sys.executable, "-c", WRAPPER, *argv]
     procs = []

@@ -231,10 +231,9 @@ class TorchDistComm(Blocking):
         dense, what = t.detach().contiguous(), f"send(tag={tag})"  # dense: t itself if contiguous
         nbytes = dense.numel() * dense.element_size()
         bulk = frames.bulk_bytes(nbytes)
-        frame = frames.make_frame(
-            dense, bulk, self.spares.take(frames.HEADER_BYTES + nbytes - bulk)
-        )
-        works = [self._p2p("send", what, dst, frame, frames.frame_tag(tag, len(frame)))]
+        frame_bytes = frames.HEADER_BYTES + nbytes - bulk
+        frame = frames.make_frame(dense, bulk, self.spares.take(frame_bytes))
+        works = [self._p2p("send", what, dst, frame, frames.frame_tag(tag, frame_bytes))]
         if bulk:  # Gloo's Work holds the tensor (dense's memory) until the send is done
             data = flat_bytes(dense)[:bulk]
             works.append(self._p2p("send", what, dst, data, frames.bulk_tag(tag, bulk)))
