@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist.comm.protocol import CollectiveMismatch
+from minidist.comm import frames
+from minidist.comm.protocol import MAX_TAG, CollectiveMismatch
 from minidist.comm.tagged import TAGS, tagged
 from minidist.comm.threads import ThreadsWorld
 from minidist.comm.torchdist import init_process_group
@@ -180,6 +181,23 @@ def test_bad_world_and_rank_are_refused():
         init_process_group("gloo", 2, 2, "127.0.0.1", 1, 1.0)
     with pytest.raises(ValueError, match="backend='mpi' is not 'gloo' or 'nccl'"):
         init_process_group("mpi", 0, 2, "127.0.0.1", 1, 1.0)
+
+
+@pytest.mark.pure
+def test_gloo_frames_and_bulks_never_share_a_wire_tag():
+    """A frame's tag carries its size class, a bulk's its exact size, in disjoint codes: Gloo
+    aborts on a message larger than its buffer, so a bulk must only ever meet its own size."""
+    sizes = [0, 1, 1000, (1 << 16) - 1, 1 << 16, (1 << 16) + 4, 80004, 1 << 26, (1 << 40) + 3]
+    assert [frames.bulk_bytes(n) for n in sizes[:4]] == [0, 0, 0, 0]
+    for n in sizes[4:]:
+        bulk = frames.bulk_bytes(n)
+        assert bulk <= n < 2 * bulk and bulk & (bulk - 1) == 0, (n, bulk)
+    frame_codes = {
+        frames.frame_tag(0, frames.HEADER_BYTES + n - frames.bulk_bytes(n)) for n in sizes
+    }
+    bulk_codes = {frames.bulk_tag(0, frames.bulk_bytes(n)) for n in sizes[4:]}
+    assert max(frame_codes) < frames.BULK <= min(bulk_codes) and max(bulk_codes) < frames.CODES
+    assert frames.bulk_tag(MAX_TAG - 1, 1 << 63) == 2**31 - 1  # the largest tag torch takes
 
 
 @pytest.mark.threads

@@ -58,16 +58,31 @@ def message_drills(comm) -> dict[str, str]:
     """Messages between ranks 0 and 1 (on a comm of their own) whose buffers disagree."""
     pair = comm.split(int(comm.rank < 2))
     seen = {}
-    for name, send, recv in [
+    cases = [
         ("int32 into float32", torch.ones(4, dtype=torch.int32), torch.zeros(4)),
         ("4 into 6", torch.ones(4), torch.zeros(6)),
         ("6 into 4", torch.ones(6), torch.zeros(4)),
-    ]:
+        # 64 KiB and more: gloo sends the bulk beside the frame, straight from and into storage
+        ("bulk 16385 into 16386", torch.ones(16385), torch.zeros(16386)),
+    ]
+    if comm.backend == "gloo":  # (an MPI send this large waits for a receive of its dtype)
+        cases.append(
+            ("bulk int32 into float32", torch.ones(16385, dtype=torch.int32), torch.zeros(16385))
+        )
+    for name, send, recv in cases:
         sub = pair.split(0)  # a fresh comm per case: an unmatched message stays behind
         if comm.rank == 0:
             seen[name] = attempt(lambda sub=sub, send=send: sub.send(send, 1))
         elif comm.rank == 1:
             seen[name] = attempt(lambda sub=sub, recv=recv: sub.recv(recv, 0))
+    sub = pair.split(0)  # an odd size, both sides transposed (not contiguous): bulk, then rest
+    sent = torch.arange(20001.0).reshape(3, 6667).t()
+    got = torch.zeros(3, 6667).t()
+    if comm.rank == 0:
+        seen["bulk exact"] = attempt(lambda: sub.send(sent, 1))
+    elif comm.rank == 1:
+        ok = attempt(lambda: sub.recv(got, 0))
+        seen["bulk exact"] = ok if ok != "ok" or torch.equal(got, sent) else f"wrong: {got[:2]}"
     ring = impl("collectives").ring_all_reduce
     sub = pair.split(0)
     if comm.rank < 2:  # the same byte size, another dtype on rank 0; then another length
@@ -76,7 +91,9 @@ def message_drills(comm) -> dict[str, str]:
         sub = pair.split(0)
         seen["ring shape"] = attempt(lambda: ring(torch.ones(8 if comm.rank == 0 else 10), sub))
         sub = pair.split(0)
-        sub.timeout = 1.0  # on gloo sizes this far apart do not match: the timeout explains
+        # on gloo sizes this far apart do not match: the receiver's timeout explains. The sender
+        # waits longer: Gloo closes a timed-out connection, which would cut the receiver short
+        sub.timeout = 1.0 if comm.rank == 1 else 3.0
         if comm.rank == 0:
             seen["4 into 40"] = attempt(lambda: sub.send(torch.ones(4), 1))
         else:
@@ -135,8 +152,13 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
         assert stale and int(stale[1]) == int(stale[2]) + 1, s["stale"]  # the one never received
     receiver = seen[1]
     assert "int32" in receiver["int32 into float32"] and "float32" in receiver["int32 into float32"]
-    for name in ("int32 into float32", "4 into 6", "6 into 4"):
+    bulk = receiver.get("bulk int32 into float32", "16385 x torch.int32 16385 x torch.float32")
+    assert "16385 x torch.int32" in bulk and "16385 x torch.float32" in bulk, bulk
+    bigger = receiver["bulk 16385 into 16386"]
+    assert "16386 x torch.float32" in bigger, bigger
+    for name in ("int32 into float32", "4 into 6", "6 into 4", "bulk 16385 into 16386"):
         assert receiver[name].startswith("CommError: rank 1 of 2"), (name, receiver[name])
+    assert seen[0]["bulk exact"] == seen[1]["bulk exact"] == "ok", (seen[0], seen[1])
     far = receiver["4 into 40"]
     if backend == "gloo":
         assert far.startswith("CommTimeout: rank 1 of 2 (gloo): recv(tag=0)"), far

@@ -7,8 +7,9 @@ Every operation is issued asynchronously (`async_op=True`) and waited on with th
 timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number and peer.
 No wrong numbers from a mismatch (Gloo fills a larger receive buffer silently, aborts on a
 smaller one, matches collectives by order alone): messages travel framed with their count and
-dtype (`_frame`, `_unframe`), and every collective starts with `_agree` (protocol.agree: one
-all-gather of the signature, carrying a small payload along so that it needs no second one).
+dtype, a large one's bulk beside the frame straight from storage to storage (frames.py), and
+every collective starts with `_agree` (protocol.agree: one all-gather of the signature, carrying
+a small payload along so that it needs no second one).
 
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
 should end, which is what the launcher does). And Gloo's point-to-point receives report
@@ -29,11 +30,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import frames
 from .agreement import SLOT_BYTES, agree, finish_fused, signature
 from .protocol import (
     DEFAULT_TIMEOUT,
-    DTYPE_CODE,
-    DTYPES,
     Blocking,
     CallbackWork,
     CommError,
@@ -46,13 +46,9 @@ from .protocol import (
     check_peer,
     check_tag,
     describe,
-    dtype_name,
     flat_bytes,
 )
 from .tagged import timeout_note
-
-HEADER_BYTES = 16  # a frame's header: (element count, dtype code) as two int64
-CLASSES = 64  # wire tag = tag * CLASSES + size class: MAX_TAG * CLASSES fits Gloo's 32 bits
 
 _OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 # newer torch renamed the flat-tensor collectives; use whichever this torch has
@@ -145,30 +141,32 @@ def close_all() -> None:
 
 
 class _TorchWork:
-    """A torch.distributed Work, waited on with a timeout that names the operation."""
+    """torch.distributed Works (one operation's), waited on with a timeout naming the operation."""
 
-    def __init__(self, comm: TorchDistComm, work, what: str, seq: int, peer=None):
-        self.comm, self.work, self.what, self.seq, self.peer = comm, work, what, seq, peer
+    def __init__(self, comm: TorchDistComm, works: list, what: str, seq: int, peer=None):
+        self.comm, self.works, self.what, self.seq, self.peer = comm, works, what, seq, peer
         self.done = False
-        self.hint = ""  # said after "timed out": what a wait this long may mean
+        self.expects = None  # a receive's tensor: its timeout says what it expected
         self.tag = None  # a message's: its timeout names the collective it waited in
 
     def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
+        return self.done or all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
         if self.done:
             return
         start = time.monotonic()
         try:
-            self.work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
+            for work in self.works:  # a message's frame, then its bulk (frames.py)
+                work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
         except RuntimeError as e:
             where = describe(self.comm, self.what, self.seq, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
                 note = "" if self.tag is None else timeout_note(self.tag, self.peer, None)
-                raise CommTimeout(
-                    f"{where} timed out after {self.comm.timeout:g}s{self.hint}{note}"
-                ) from e
+                if self.expects is not None:
+                    t = self.expects
+                    note = f" (expects {t.numel()} x {t.dtype}; far other sizes never match){note}"
+                raise CommTimeout(f"{where} timed out after {self.comm.timeout:g}s{note}") from e
             raise PeerFailed(f"{where} failed: {e}") from e
         self.done = True
 
@@ -187,6 +185,7 @@ class TorchDistComm(Blocking):
         self.collectives = 0  # collectives issued: the number a mismatch is reported with
         self.to_self = SelfMessages(self)
         self.sending: list[_TorchWork] = []  # sends not yet waited for (see isend)
+        self.spares = frames.Spares(device)  # frame buffers to use again
 
     def __repr__(self) -> str:
         return f"TorchDistComm({self.backend}, rank={self.rank}, world_size={self.world_size})"
@@ -199,25 +198,29 @@ class TorchDistComm(Blocking):
         return t if t.is_contiguous() else t.contiguous()
 
     def _issue(self, what: str, peer, start, *args, **kwargs):
-        """start(*args, group=this comm's group, **kwargs), a torch.distributed call (async_op
-        for a collective). Gloo may fail at once when a peer has died (its connection is
-        closed): that is a PeerFailed, as it would be in wait()."""
-        if start not in (dist.isend, dist.irecv):
-            kwargs["async_op"] = True
+        """start(*args, group=this comm's group, async_op=True, **kwargs), a torch.distributed
+        collective. Gloo may fail at once when a peer has died (its connection is closed): that
+        is a PeerFailed, as it would be in wait()."""
+        return self._call(what, peer, start, *args, group=self.group, async_op=True, **kwargs)
+
+    def _call(self, what: str, peer, fn, *args, **kwargs):
+        """fn(*args, **kwargs), a dead peer's error (a closed connection) as a PeerFailed."""
         try:
-            return start(*args, group=self.group, **kwargs)
+            return fn(*args, **kwargs)
         except RuntimeError as e:
             if not any(word in str(e) for word in ("closed", "reset", "Broken pipe")):
                 raise
             raise PeerFailed(f"{describe(self, what, self.seq, peer)} failed: {e}") from e
 
-    def _work(self, work, what, peer=None, finish=lambda: None) -> CallbackWork:
-        return CallbackWork(_TorchWork(self, work, what, self.seq, peer), finish)
+    def _work(self, works, what, peer=None, finish=lambda: None) -> CallbackWork:
+        works = works if isinstance(works, list) else [works]
+        return CallbackWork(_TorchWork(self, works, what, self.seq, peer), finish)
 
     def _back(self, dense: torch.Tensor, t: torch.Tensor):
         return (lambda: None) if dense is t else (lambda: t.copy_(dense))
 
-    # point-to-point: every message framed (see _frame), messages to self kept here
+    # point-to-point: every message framed, its bulk beside it (frames.py), messages to self
+    # kept here
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> CallbackWork:
         check_peer(self, dst, "dst")
@@ -225,11 +228,16 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if dst == self.rank:  # Gloo cannot send to itself
             return self.to_self.send(t, tag)
-        frame, what = _frame(t), f"send(tag={tag})"
-        work = self._issue(
-            what, dst, dist.isend, frame, self._global(dst), tag=tag * CLASSES + _size_class(t)
-        )
-        done = self._work(work, what, dst)
+        dense, what = t.detach().contiguous(), f"send(tag={tag})"  # dense: t itself if contiguous
+        nbytes = dense.numel() * dense.element_size()
+        bulk = frames.bulk_bytes(nbytes)
+        frame_bytes = frames.HEADER_BYTES + nbytes - bulk
+        frame = frames.make_frame(dense, bulk, self.spares.take(frame_bytes))
+        works = [self._p2p("send", what, dst, frame, frames.frame_tag(tag, frame_bytes))]
+        if bulk:  # Gloo's Work holds the tensor (dense's memory) until the send is done
+            data = flat_bytes(dense)[:bulk]
+            works.append(self._p2p("send", what, dst, data, frames.bulk_tag(tag, bulk)))
+        done = self._work(works, what, dst, lambda: self.spares.give(frame))
         done.inner.tag = tag
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
         # it is waited for, so a sender that raises (or forgets) still delivers what it started
@@ -242,25 +250,41 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if src == self.rank:
             return self.to_self.recv(t, tag, self.seq)
-        k, what, seq = _size_class(t), f"recv(tag={tag})", self.seq
-        frame = torch.empty(1 << k, dtype=torch.uint8, device=t.device)  # any frame of class k
-        work = self._issue(what, src, dist.irecv, frame, self._global(src), tag=tag * CLASSES + k)
-        done = self._work(work, what, src, lambda: self._unframe(frame, t, src, tag, seq))
-        done.inner.hint = f" (expects {t.numel()} x {t.dtype}; far other sizes never match)"
-        done.inner.tag = tag
+        dense, what, seq = self._dense(t), f"recv(tag={tag})", self.seq
+        nbytes = dense.numel() * dense.element_size()
+        bulk = frames.bulk_bytes(nbytes)
+        frame_bytes = frames.HEADER_BYTES + nbytes - bulk  # the sender's, if it sent what t holds
+        frame = self.spares.take(1 << frame_bytes.bit_length())  # any frame of its size class
+        works = [self._p2p("recv", what, src, frame, frames.frame_tag(tag, frame_bytes))]
+        if bulk:  # posted now too: a sender that waits on its bulk must not wait for our wait()
+            data = flat_bytes(dense)[:bulk]  # dense's own memory: the bulk lands there directly
+            works.append(self._p2p("recv", what, src, data, frames.bulk_tag(tag, bulk)))
+
+        def finish():
+            sent = frames.mismatch(frame, dense)
+            if sent is not None:
+                raise CommError(
+                    f"{describe(self, what, seq, src)}: rank {src} sent {sent}, this rank "
+                    f"expects {t.numel()} x {t.dtype} (shape {tuple(t.shape)})"
+                )
+            frames.unframe(frame, dense, bulk)
+            self.spares.give(frame)
+            if rest is not None:  # the bulk, after the header: a bulk of another size never comes
+                rest.wait()
+            self._back(dense, t)()
+
+        done = self._work(works[:1], what, src, finish)
+        rest = self._work(works[1:], what, src) if bulk else None
+        for waiting in (done.inner, (rest or done).inner):
+            waiting.expects, waiting.tag = t, tag
         return done
 
-    def _unframe(self, frame: torch.Tensor, t: torch.Tensor, src: int, tag: int, seq: int):
-        """Check a received frame's header against t, then copy its payload into t."""
-        numel, code = frame[:HEADER_BYTES].view(torch.int64).tolist()
-        if numel != t.numel() or code != DTYPE_CODE.get(t.dtype, len(DTYPES)):
-            raise CommError(
-                f"{describe(self, f'recv(tag={tag})', seq, src)}: rank {src} sent {numel} x "
-                f"{dtype_name(code)}, this rank expects {t.numel()} x {t.dtype} "
-                f"(shape {tuple(t.shape)})"
-            )
-        nbytes = t.numel() * t.element_size()
-        t.copy_(frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(t.dtype).reshape(t.shape))
+    def _p2p(self, start: str, what: str, peer: int, t: torch.Tensor, wire_tag: int):
+        """The process group's own send or recv of t with peer (a rank of this comm) under
+        wire_tag: dist.isend and dist.irecv add only checks made here already, and a Python
+        cost as large as a small message's."""
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        return self._call(what, peer, getattr(pg, start), [t], peer, wire_tag)
 
     # collectives
 
@@ -337,7 +361,7 @@ class TorchDistComm(Blocking):
             mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
             rows = torch.empty(self.world_size * SLOT_BYTES, dtype=torch.uint8, device=self.device)
             work = self._issue(what, None, _all_gather_flat, rows, mine)
-            _TorchWork(self, work, what, self.seq).wait()
+            _TorchWork(self, [work], what, self.seq).wait()
             return rows.cpu().numpy()
 
         return agree(self, sig, gather, payload)
@@ -363,22 +387,6 @@ class TorchDistComm(Blocking):
         comm = TorchDistComm(group, self.backend, self.device, self.timeout)
         _split_comms.add(comm)
         return comm
-
-
-def _size_class(t: torch.Tensor) -> int:
-    """k such that t's frame fits in 2**k bytes but not in 2**(k-1): a receive takes any frame
-    of its class (a buffer of 2**k), so counts that differ less than that are named, not lost."""
-    return (HEADER_BYTES + t.numel() * t.element_size()).bit_length()
-
-
-def _frame(t: torch.Tensor) -> torch.Tensor:
-    """t as one message: HEADER_BYTES of (numel, dtype code) as int64, then t's bytes."""
-    nbytes = t.numel() * t.element_size()
-    frame = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=t.device)
-    head = torch.tensor([t.numel(), DTYPE_CODE.get(t.dtype, len(DTYPES))])
-    frame[:HEADER_BYTES] = head.view(torch.uint8)
-    frame[HEADER_BYTES:] = flat_bytes(t.detach().contiguous())
-    return frame
 
 
 def _groups_made() -> int:
