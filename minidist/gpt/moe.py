@@ -3,13 +3,14 @@ layer of expert_parallel.py, its experts shared out over the mesh's ep group.
 
 Equals: train_whole on the same model with all E experts in one process, each block routing
 the whole batch in the same groups as the ranks do (one group per rank and microbatch: b = B /
-(dp m) sequences, b T tokens; capacity and the auxiliary loss are per group, as GShard and
-Switch define them), the auxiliary loss weighted 1 / (dp m) per group (the mean over groups).
+(dp m) sequences, b T / cp tokens, with cp each rank's zigzag chunks: context.token_order;
+capacity and the auxiliary loss are per group, as GShard and Switch define them), the
+auxiliary loss weighted 1 / (dp m cp) per group (the mean over groups).
 float64: losses 1e-12 relative, parameters 1e-10 (tests/test_train.py).
 Communication per step, per rank (ep ranks on ep_comm): per block and microbatch, that of
 ExpertParallelMoE (three all-to-alls forward, two backward: expert_parallel.py); at the step's
-end replicas.ExpertReplicas all-reduces every gradient once: the dense ones and the routers' over dp
-(the routers' as ep then edp), the experts' over edp only, their replicas.
+end replicas.ExpertReplicas all-reduces every gradient once: the dense ones and the routers' over
+dp x cp (the routers' as ep, edp, then cp), the experts' over edp then cp, their replicas.
 Memory per rank: the blocks' dense weights, the routers (E D each), E/ep experts per block.
 Ladder: MoEBlock (attention, then MoE; the auxiliary loss attached to the output) ->
 parallel_block (the experts cut over ep_comm) -> replicas.ExpertReplicas (gradients averaged
