@@ -11,7 +11,8 @@ Communication: building a Mesh issues three comm.split calls, collective over th
 order tp, pp, dp. Afterwards tp_comm.rank == t, pp_comm.rank == s, dp_comm.rank == d.
 Expert parallelism (ep > 1, lesson 14) is carved out of dp, as in Megatron: each block of ep
 adjacent dp ranks shares out the experts (ep_comm, rank d % ep) and the ranks at the same place
-in every block hold the same experts (edp_comm, rank d // ep): two more splits, ep then edp.
+in every block hold the same experts (edp_comm, rank d // ep): two more splits, ep then edp,
+both at one (stage, cp rank, tp rank): with cp, each cp rank's ep group routes its own tokens.
 Context parallelism (cp > 1, lesson 15) sits between pp and tp, next to tp: its ring moves
 keys and values in every attention layer. cp_comm (rank c) holds the cp ranks of one replica,
 stage and tp rank; dcp_comm (rank d * cp + c) all of dp x cp, over which the gradients are

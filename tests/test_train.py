@@ -115,11 +115,11 @@ def test_ep_and_cp_layouts_are_refused_with_every_reason():
         "experts=6 is not divisible by ep=4",
         "seq_len=24 is not divisible by 2*cp=16",
         "experts=6 with tp=2 is not supported: the experts are not cut over tp",
-        "experts=6 with cp=8 is not supported",
         "experts=6 with zero=1 is not supported",
         "experts=6 with amp='bf16' is not supported",
     ):
         assert expected in text, text
+    assert "with cp" not in text, text  # experts and cp compose
     assert "ep=2 needs experts" in "\n".join(TrainConfig(dp=2, ep=2).problems())
     bad = gpt.GPTConfig(experts=2, topk=3, capacity_factor=0.0)
     text = "\n".join(TrainConfig(model=bad).problems())
@@ -228,12 +228,15 @@ def test_train_threads_at_demo_size(layout):
 @pytest.mark.parametrize(
     "layout", [dict(dp=4, ep=2, batch=8, model=MOE),
                dict(dp=2, ep=2, pp=2, batch=4, checkpointing=True, schedule="zb", model=MOE),
+               dict(dp=2, ep=2, cp=2, batch=4, model=MOE),
+               dict(dp=2, ep=2, cp=2, pp=2, batch=4, checkpointing=True, model=MOE),
                dict(dp=2, cp=2, zero=3, checkpointing=True, batch=4),
                dict(cp=2, tp=2, pp=2, batch=4, schedule="interleaved", chunks=2, microbatches=4)],
 )  # fmt: skip
 def test_train_threads_with_ep_and_cp(layout):
     """Experts shared out over ep (the routers' gradients over dp, the experts' over edp), and
-    the sequences cut over cp (ring attention, gradients over dp x cp): float64, as above."""
+    the sequences cut over cp (ring attention, gradients over dp x cp), and both (each cp rank
+    routes its own tokens as one group, one process the same groups): float64, as above."""
     config = TrainConfig(**(F64 | {"model": TINY} | layout))
     run_threads(train_matches_one_process, config.layout.world_size, config, timeout=120)
 
@@ -303,6 +306,15 @@ def test_bytes_per_dimension_equal_the_formulas(options):
     config = TrainConfig(**(base | options))
     for rank, (sent, formula) in enumerate(run_threads(counted_bytes, 8, config)):
         assert sent == formula, (rank, sent, formula)
+
+
+@pytest.mark.threads
+def test_cp_bytes_with_experts_add_their_gradients():
+    """With experts, cp_comm also carries the routers' and experts' gradient sums: the ring's
+    bytes plus their elements x 8 (float64), as predicted_nbytes says."""
+    config = TrainConfig(dp=2, ep=2, cp=2, batch=4, model=MOE, **F64)
+    for rank, (sent, formula) in enumerate(run_threads(counted_bytes, 4, config)):
+        assert sent["cp"] == formula["cp"], (rank, sent, formula)
 
 
 # ---- processes ------------------------------------------------------------------------------

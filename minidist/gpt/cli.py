@@ -50,7 +50,8 @@ SIZES = {
     "pp": "pipeline stages",
     "tp": "tensor parallel ranks (heads, d_ff, vocabulary cut)",
     "cp": "context parallel ranks: each holds 2 zigzag chunks of every sequence, ring attention",
-    "ep": "expert parallel ranks, carved out of dp: each holds experts/ep (needs --experts)",
+    "ep": "expert parallel ranks, carved out of dp (at each cp rank): each holds experts/ep"
+    " (needs --experts; composes with --cp and --pp)",
 }
 
 

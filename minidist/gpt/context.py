@@ -28,7 +28,8 @@ from torch import nn
 
 from minidist.context_parallel import chunk_size, chunks_of, ring_attention, shard_sequence
 from minidist.gpt.model import Embedding, unwrap
-from minidist.tensor_parallel_blocks import ParallelSelfAttention, ParallelTransformerBlock
+from minidist.gpt.moe import MoEBlock
+from minidist.tensor_parallel_blocks import ParallelTransformerBlock
 
 LAYOUT = "zigzag"  # every cp rank the same causal work (lesson 15)
 
@@ -39,16 +40,27 @@ def positions(seq_len: int, cp: int, c: int) -> torch.Tensor:
     return torch.cat([torch.arange(i * m, (i + 1) * m) for i in chunks_of(cp, c, LAYOUT)])
 
 
+def token_order(batch: int, seq_len: int, cp: int, b: int) -> torch.Tensor:
+    """(B T,) the batch's token numbers (b_i T + t) grouped as the ranks hold them: for each
+    group of b sequences (a dp rank's microbatch), each cp rank's b T/cp tokens in its order,
+    sequence after sequence. An MoE routing the batch in this order, in groups of b T/cp
+    tokens, routes each rank's tokens as that rank does (moe.group_blocks)."""
+    starts = torch.arange(batch).view(-1, b, 1) * seq_len  # (B/b, b, 1): each sequence's first
+    mine = torch.stack([positions(seq_len, cp, c) for c in range(cp)])  # (cp, T/cp)
+    return (starts.unsqueeze(1) + mine.view(1, cp, 1, -1)).flatten()  # (B/b, cp, b, T/cp)
+
+
 def shard_tokens(t: torch.Tensor, cp_comm) -> torch.Tensor:
     """This cp rank's tokens of t (b, T) (ids or targets): (b, T/cp), its chunks in order."""
     return shard_sequence(t, cp_comm, LAYOUT, dim=1)
 
 
 class RingSelfAttention(nn.Module):
-    """A ParallelSelfAttention's qkv and proj (heads cut over tp) around ring_attention over
-    cp_comm: x_local (B, T/cp, D) -> (B, T/cp, D), this rank's tokens in shard order."""
+    """A ParallelSelfAttention's qkv and proj (heads cut over tp; or an MoE block's whole
+    SelfAttention's) around ring_attention over cp_comm: x_local (B, T/cp, D) -> (B, T/cp, D),
+    this rank's tokens in shard order."""
 
-    def __init__(self, attn: ParallelSelfAttention, cp_comm):
+    def __init__(self, attn: nn.Module, cp_comm):
         super().__init__()
         self.qkv, self.proj, self.n_heads = attn.qkv, attn.proj, attn.n_heads_local
         self.cp_comm = cp_comm
@@ -64,13 +76,14 @@ class RingSelfAttention(nn.Module):
 
 def context_parallel(chunks: list[nn.Module], cp_comm, seq_len: int) -> None:
     """Make a stage's chunks context parallel, in place: the embedding looks up this rank's
-    positions, every block attends over the ring. The parameters stay the same tensors."""
+    positions, every block (dense or MoE) attends over the ring. The parameters stay the same
+    tensors; an MoE block routes this rank's tokens as one group (moe.py)."""
     cp, c = cp_comm.world_size, cp_comm.rank
     for chunk in chunks:
         for layer in map(unwrap, chunk):
             if isinstance(layer, Embedding):
                 layer.where = positions(seq_len, cp, c).to(layer.positions.weight.device)
-            if isinstance(layer, ParallelTransformerBlock):
+            if isinstance(layer, (ParallelTransformerBlock, MoEBlock)):
                 layer.attn = RingSelfAttention(layer.attn, cp_comm)
 
 

@@ -3,13 +3,14 @@ layer of expert_parallel.py, its experts shared out over the mesh's ep group.
 
 Equals: train_whole on the same model with all E experts in one process, each block routing
 the whole batch in the same groups as the ranks do (one group per rank and microbatch: b = B /
-(dp m) sequences, b T tokens; capacity and the auxiliary loss are per group, as GShard and
-Switch define them), the auxiliary loss weighted 1 / (dp m) per group (the mean over groups).
+(dp m) sequences, b T / cp tokens, with cp each rank's zigzag chunks: context.token_order;
+capacity and the auxiliary loss are per group, as GShard and Switch define them), the
+auxiliary loss weighted 1 / (dp m cp) per group (the mean over groups).
 float64: losses 1e-12 relative, parameters 1e-10 (tests/test_train.py).
 Communication per step, per rank (ep ranks on ep_comm): per block and microbatch, that of
 ExpertParallelMoE (three all-to-alls forward, two backward: expert_parallel.py); at the step's
-end replicas.ExpertReplicas all-reduces every gradient once: the dense ones and the routers' over dp
-(the routers' as ep then edp), the experts' over edp only, their replicas.
+end replicas.ExpertReplicas all-reduces every gradient once: the dense ones and the routers' over
+dp x cp (the routers' as ep, edp, then cp), the experts' over edp then cp, their replicas.
 Memory per rank: the blocks' dense weights, the routers (E D each), E/ep experts per block.
 Ladder: MoEBlock (attention, then MoE; the auxiliary loss attached to the output) ->
 parallel_block (the experts cut over ep_comm) -> replicas.ExpertReplicas (gradients averaged
@@ -52,29 +53,35 @@ class SelfAttention(nn.Module):
 
     def __init__(self, qkv: nn.Linear, proj: nn.Linear, n_heads: int):
         super().__init__()
-        self.qkv, self.proj, self.n_heads = qkv, proj, n_heads
+        self.qkv, self.proj = qkv, proj
+        self.n_heads_local = n_heads  # all of them: not cut over tp (as ParallelSelfAttention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attention(self.qkv(x), self.n_heads, causal=True))
+        return self.proj(attention(self.qkv(x), self.n_heads_local, causal=True))
 
 
 class MoEBlock(nn.Module):
     """x + attn(ln1(x)), then + moe(ln2(x)) with moe's auxiliary loss attached: (B, T, D) ->
     (B, T, D). moe is an MoE (every expert: the input cut into groups of group_tokens tokens,
     sequence after sequence; None: one group) or an ExpertParallelMoE (this rank's input is
-    one group). aux_weight: what one group's auxiliary loss weighs in the loss."""
+    one group). order: None, or the B T token numbers in the order the groups take them
+    (context.token_order: the tokens of each cp rank together). aux_weight: what one group's
+    auxiliary loss weighs in the loss."""
 
     def __init__(self, ln1: nn.LayerNorm, attn: nn.Module, ln2: nn.LayerNorm, moe: nn.Module):
         super().__init__()
         self.ln1, self.attn, self.ln2, self.moe = ln1, attn, ln2, moe
         self.group_tokens: int | None = None
+        self.order: torch.Tensor | None = None
         self.aux_weight = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x).flatten(0, 1)  # (B T, D): sequence after sequence
         if isinstance(self.moe, MoE) and self.group_tokens:
+            h = h if self.order is None else h[self.order]  # (B T, D): group after group
             y, aux = self.moe(h, [self.group_tokens] * (h.shape[0] // self.group_tokens))
+            y = y if self.order is None else y[self.order.argsort()]  # back in sequence order
         else:
             y, aux = self.moe(h)  # (B T, D), 0-d
         return AttachAux.apply(x + y.view_as(x), aux * self.aux_weight)
@@ -110,12 +117,15 @@ def parallel_block(block: MoEBlock, tp_comm, ep_comm=None) -> MoEBlock:
     return MoEBlock(block.ln1, block.attn, block.ln2, moe)
 
 
-def group_blocks(module: nn.Module, group_tokens: int | None, aux_weight: float) -> None:
-    """Set every MoEBlock in module to route groups of group_tokens tokens, each group's
-    auxiliary loss weighing aux_weight."""
+def group_blocks(
+    module: nn.Module, group_tokens: int | None, aux_weight: float, order=None
+) -> None:
+    """Set every MoEBlock in module to route groups of group_tokens tokens, taken in order
+    (None: sequence after sequence), each group's auxiliary loss weighing aux_weight."""
     for block in module.modules():
         if isinstance(block, MoEBlock):
             block.group_tokens, block.aux_weight = group_tokens, aux_weight
+            block.order = order
 
 
 def problems(config) -> list[str]:
@@ -129,8 +139,6 @@ def problems(config) -> list[str]:
         return found
     refused = {
         "tp": (c.tp, 1, "the experts are not cut over tp"),
-        "cp": (c.cp, 1, "a cp rank's tokens are a zigzag slice of each sequence, routed as"
-               " another group than one process routes"),
         "zero": (c.zero, 0, "ZeRO shards over dp, but the ranks of an ep group hold different"
                  " experts"),
         "amp": (c.amp, "fp32", "the experts train in --dtype only"),

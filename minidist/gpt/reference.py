@@ -5,8 +5,8 @@ model is put back together to compare by gather.py.
 Equals: train_whole is the reference itself: nn.Sequential(whole_layers) on the whole batch,
 the same batches, AdamW (with the same weight-decay groups: replicas.decay_groups),
 learning-rate schedule and precision as train.py's ranks; any cp and tp alike (the same
-model cut otherwise); with experts, each block routes the batch in the groups the dp ranks'
-microbatches make (moe.group_blocks), whatever ep.
+model cut otherwise); with experts, each block routes the batch in the groups the ranks'
+microbatches make (moe.group_blocks): one per dp rank, microbatch and cp rank, whatever ep.
 Communication: none (one process).
 Memory: the whole model and its optimizer state, in the run's dtype.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --check
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from minidist.amp import MixedPrecisionOptimizer
+from minidist.gpt import context, moe
 from minidist.gpt import model as gpt
-from minidist.gpt import moe
 from minidist.gpt.data import batch_at, load_bytes
 from minidist.gpt.replicas import grouped_optimizer, make_scaler
 from minidist.gpt.train import DTYPES, TrainConfig
@@ -35,8 +35,10 @@ def train_whole(config: TrainConfig, data=None, on_step: Callable | None = None)
     data = load_bytes() if data is None else data
     layers = gpt.whole_layers(config.model, DTYPES[config.dtype])
     model = nn.Sequential(*layers)
-    m = config.dp * config.microbatches  # MoE: the ranks' groups, each b T tokens, aux mean
-    moe.group_blocks(model, config.batch // m * config.model.seq_len, 1 / m)
+    # MoE: the ranks' groups, each b T / cp tokens (b = B / (dp m)), the aux loss their mean
+    m, cp, t = config.dp * config.microbatches, config.cp, config.model.seq_len
+    order = context.token_order(config.batch, t, cp, config.batch // m) if cp > 1 else None
+    moe.group_blocks(model, config.batch // m * t // cp, 1 / (m * cp), order)
     groups = grouped_optimizer(config, model)  # as every rank: AdamW over decay_groups
     scaler = make_scaler(config.amp)
     if config.amp != "fp32":

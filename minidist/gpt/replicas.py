@@ -304,13 +304,12 @@ class ZeroReplicas:
 
 
 class ExpertReplicas:
-    """Data parallel replicas of an MoE model (fp32, no ZeRO): AdamW on each rank; step()
-    averages the gradients over dp by hand, each where it has replicas: dense parameters over
-    dp_comm, each block's router over ep then edp (every dp rank), its experts over edp only
-    (sync_grads), then divides all by dp."""
+    """Data parallel replicas of an MoE model (fp32, no ZeRO): AdamW on each rank; step() sums
+    each gradient over its replicas by hand (dense: grad_comm, dp x cp; each block's router: ep,
+    edp, cp, every rank; its experts: edp, cp), then divides all by dp cp: their mean."""
 
     def __init__(self, module: nn.ModuleList, mesh, config):
-        self.module, self.mesh, self.dp = module, mesh, config.dp
+        self.module, self.mesh, self.ranks = module, mesh, config.dp * config.cp
         self.scaler = make_scaler(config.amp)
         self.optimizer = grouped_optimizer(config, module)()
         self.moes = [m for m in module.modules() if isinstance(m, (MoE, ExpertParallelMoE))]
@@ -328,13 +327,14 @@ class ExpertReplicas:
         pass
 
     def step(self) -> bool:
-        ep_comm, edp_comm, dp_comm = self.mesh.ep_comm, self.mesh.edp_comm, self.mesh.dp_comm
+        mesh = self.mesh
         for q in self.dense:
-            dp_comm.all_reduce(_grad_or_zeros(q), "sum")
+            mesh.grad_comm.all_reduce(_grad_or_zeros(q), "sum")
         for moe in self.moes:  # ep = 1: no ep_comm, and the experts' replicas are all of dp
-            sync_grads(moe, ep_comm, dp_comm if edp_comm is None else edp_comm)
+            sync_grads(moe, mesh.ep_comm, mesh.dp_comm if mesh.edp_comm is None else mesh.edp_comm)
+            sync_grads(moe, None, mesh.cp_comm)  # router and experts: cp saw other tokens
         for q in self.module.parameters():
-            q.grad.div_(self.dp)  # sums over every dp rank's loss: their mean
+            q.grad.div_(self.ranks)  # sums over every dp (x cp) rank's loss: their mean
         self.optimizer.step()
         self.zero_grad()
         return True

@@ -141,10 +141,9 @@ class TrainConfig:
         found += m.problems(self.tp) + moe.problems(self) + context.problems(self)
         for name, value, allowed in self.choices:
             _require(found, value in allowed, f"{name}={value!r} is not one of {allowed}")
+        ok = self.batch % (self.dp * self.microbatches) == 0
         why = f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
-        _require(
-            found, self.batch % (self.dp * self.microbatches) == 0, why + f"{self.microbatches}"
-        )
+        _require(found, ok, why + f"{self.microbatches}")
         _require(found, self.weight_decay >= 0, f"weight_decay={self.weight_decay} is negative")
         why = f"chunks={self.chunks} needs schedule='interleaved'"
         _require(found, self.chunks == 1 or self.schedule == "interleaved", why)
@@ -237,14 +236,13 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         context.context_parallel(chunks, mesh.cp_comm, config.model.seq_len)
     replicas = make_replicas(chunks, mesh, config)  # 3
     # lab 12.4 end
-    # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline.py); the dp mean: /dp
-    moe.group_blocks(replicas.module, None, 1 / config.microbatches)
-    tp_comm = mesh.tp_comm
+    # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline.py); the replicas
+    moe.group_blocks(replicas.module, None, 1 / config.microbatches)  # divide by dp cp
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits_local: (b, T, V/tp); the loss in float32 at least, scaled for fp16
         logits = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
-        return vocab_parallel_cross_entropy(logits, targets, tp_comm).mean() * replicas.scale
+        return vocab_parallel_cross_entropy(logits, targets, mesh.tp_comm).mean() * replicas.scale
 
     stage = PipelineStage(
         chunks, mesh.pp_comm, loss_fn, tracer=tracer, on_backward=replicas.on_backward
@@ -292,8 +290,8 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss.
     cp > 1: n = b T / cp tokens, dp counts dp x cp ranks; cp per microbatch and block: ring
     attention's 2 (cp-1) + 2 (2cp-1) messages of a / tp (k|v on, then k|v and dk|dv), the
-    forward's again when recomputed. With experts, dp and ep depend on the routing: None.
-    The keys: dp, pp, tp, and cp and ep where they are larger than 1."""
+    forward's again when recomputed, and with experts the gradients of the routers and experts
+    (f each: replicas.ExpertReplicas); dp and ep then: None. Keys: dp, pp, tp, cp/ep if > 1."""
     c, (_, s, _) = job.config, job.mesh.coords
     m = c.microbatches
     e = c.precision.compute.itemsize  # bytes of an activation element
@@ -310,7 +308,9 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
     }
     if c.cp > 1:
-        found["cp"] = m * blocks * ring * a // c.tp
+        routed = [q for x in job.replicas.module.modules() if isinstance(x, moe.MoEBlock)
+                  for q in x.moe.parameters()]  # fmt: skip
+        found["cp"] = m * blocks * ring * a // c.tp + sum(q.numel() for q in routed) * f
     if c.ep > 1:
         found["ep"] = None  # the all-to-alls carry what the routers decide: no formula
     return found
