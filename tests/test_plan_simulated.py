@@ -51,22 +51,25 @@ def planned_step(config: TrainConfig) -> float:
     m = config.model
     shape = plan.Shape("toy", m.n_layers, m.d_model, m.n_heads, m.d_ff, m.vocab_size, m.seq_len)
     b = config.batch // (config.dp * config.microbatches)
-    x = plan.Layout(config.dp, config.pp, config.tp, config.chunks, config.zero, b)
-    # minidist's main job syncs gradients after the whole pipeline step: no overlap
-    eff = plan.Efficiency(compute=0.5, network=1.0, overlap=0.0)
+    # minidist's pipeline sends whole activations (no scatter over tp)
+    x = plan.Layout(config.dp, config.pp, config.tp, config.chunks, config.zero, b, scatter=False)
+    # minidist's main job syncs gradients after the whole pipeline step: no overlap; but ZeRO-3
+    # gathers the next unit's parameters while this one computes, and reduce-scatters while the
+    # next backward runs (zero3.py): as much overlap as there is compute
+    eff = plan.Efficiency(compute=0.5, network=1.0, overlap=1.0 if config.zero == 3 else 0.0)
     return sum(plan.step(shape, x, SLOW, config.batch, eff, e=4).values())
 
 
-# plan / simulated, pinned. Within 5%: dp, pp and tp alone. The 2x2x2 step: the plan spreads
-# the logits over the stages, where the pipeline puts the head on the last stage (27% more
-# compute there than on the first, which sets the pace); with ZeRO-3 the plan's three
-# all-reduces' worth of traffic per microbatch, none hidden (overlap 0), outweighs that.
+# plan / simulated, pinned; every one within 5%. The 2x2x2 step: the plan spreads the logits
+# over the stages, where the pipeline puts the head on the last stage (27% more compute there
+# than on the first, which sets the pace), and the plan's pipeline messages wait on links the
+# simulator lets overlap; 16 ranks: dp 4 of 2x2 ZeRO-3.
 RATIOS = {
     (2, 1, 1, 0): 0.987,
     (1, 2, 1, 0): 0.971,
     (1, 1, 2, 0): 0.996,
-    (2, 2, 2, 0): 0.938,
-    (2, 2, 2, 3): 1.107,
+    (2, 2, 2, 0): 0.976,
+    (2, 2, 2, 3): 0.969,
 }
 
 
@@ -76,5 +79,4 @@ def test_plan_and_simulated_step_agree(dp, pp, tp, zero):
     config = replace(config, model=MODEL)
     ratio = planned_step(config) / simulated_step(config)
     assert ratio == pytest.approx(RATIOS[dp, pp, tp, zero], abs=0.002)
-    if sorted((dp, pp, tp))[:2] == [1, 1]:  # one dimension alone
-        assert abs(ratio - 1) <= 0.05, ratio
+    assert abs(ratio - 1) <= 0.05, ratio
