@@ -1,4 +1,4 @@
-"""The planner's step time against `minidist train` measured on this machine (issue: within 25%).
+"""The planner's step time against `minidist train` measured on this machine (target: within 25%).
 
     PYTHONPATH=$PWD python tools/plan_validate.py [--steps 10] [--backend mpi]
 
