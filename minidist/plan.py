@@ -20,7 +20,8 @@ Time per step (the slowest stage):
     compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
                   (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
                   again with full recompute (Narayanan et al., SC 2021, section 5.1); split
-                  over tp and pp
+                  over tp and pp; + the elementwise ops' bytes / memory bandwidth: 5 passes
+                  over the activations each layer keeps (7 with full recompute)
     pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
@@ -174,7 +175,7 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     minidist's zero.py keeps one). Without dropout (shape.dropout) the per-layer constant is 8,
     not 10 (no two s b h masks), and the attention term 2 a s/h, not 5 (the softmax output is
     the one s x s tensor kept)."""
-    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    x, h = layout, shape.hidden
     layers = stage_layers(shape, x)
     ends = 2 if x.pp == 1 else 1  # the first stage: the embedding; and the output layer if pp = 1
     psi = (layers * shape.layer_params() + ends * shape.vocab * h) / x.tp
@@ -182,20 +183,38 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
         per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
     else:
         per_param = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}[x.zero]
-    t, sbh = x.tp, s * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
-    drop = 2 if shape.dropout else 0
     if x.recompute == "full":
-        per_layer = 2 * sbh / (t if x.sp else 1)
+        per_layer = shape.seq * x.b * h * e / (x.tp if x.sp else 1)  # 2 s b h 2-byte values
     else:
-        scores = 5 if shape.dropout else 2
-        attention = 0 if x.recompute == "selective" or flash else scores * a * s / (h * t)
-        per_layer = sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
+        per_layer = layer_activation_bytes(shape, x, flash, e)
     m = x.microbatches(batch)
     in_flight = min(x.pp, m) * (1 + (x.pp - 1) / (x.pp * x.v) if x.v > 1 else 1)
     memory = {"model state": psi * per_param, "activations": per_layer * layers * in_flight}
     if x.zero == 3:
         memory["gathered"] = e * max(shape.layer_params(), shape.vocab * h) / x.tp
     return memory
+
+
+def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
+    """Bytes one layer keeps for backward per microbatch without full recompute (Korthikanti et
+    al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout)."""
+    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    t, sbh = x.tp, s * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
+    drop = 2 if shape.dropout else 0
+    scores = 5 if shape.dropout else 2
+    attention = 0 if x.recompute == "selective" or flash else scores * a * s / (h * t)
+    return sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
+
+
+def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
+    """Bytes the fullest stage's non-matmul work (norms, GELU, softmax, dropout, residual adds)
+    moves through memory per microbatch: each value a layer keeps for backward (without
+    recompute) is the input of an elementwise op y = f(x), which reads x and writes y in
+    forward, and reads x, reads dy and writes dx in backward: 5 passes, 7 with full recompute
+    (its forward runs again). A count, not a fit."""
+    kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
+    passes = 7 if layout.recompute == "full" else 5
+    return passes * kept * stage_layers(shape, layout)
 
 
 def _over(cluster: Cluster, stride: int) -> Cluster:
@@ -205,16 +224,25 @@ def _over(cluster: Cluster, stride: int) -> Cluster:
 
 
 def step(
-    shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Efficiency, e: int = 2
+    shape: Shape,
+    layout: Layout,
+    cluster: Cluster,
+    batch: int,
+    eff: Efficiency,
+    e: int = 2,
+    flash: bool = True,
 ) -> dict:
     """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
-    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32)."""
+    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
+    is a roofline's two sides: the matmuls' FLOPs at peak x efficiency, the rest of the work
+    (elementwise_nbytes) at the memory's bandwidth."""
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
     flops = shape.step_flops_per_token(x.recompute)  # the logits apportioned like the layers
     mb_flops = flops * s * x.b * layers / (shape.layers * x.tp)  # a microbatch, fullest stage
     t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
+    t_mb += elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
     slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
     net = replace(cluster, inter=slower)
     act = e * s * x.b * h  # bytes of one activation tensor
@@ -290,7 +318,7 @@ def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9)
     if total > room:
         gb = cluster.gpu.memory / 1e9
         why = [f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"]
-    return Plan(layout, memory, step(shape, layout, cluster, batch, eff), tuple(why))
+    return Plan(layout, memory, step(shape, layout, cluster, batch, eff, flash=flash), tuple(why))
 
 
 def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
@@ -336,8 +364,8 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
 # 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
 CALIBRATED = {
-    "A100": Efficiency(compute=0.555, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.741, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.610, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.814, network=0.630, overlap=1.0),
 }
 
 

@@ -141,7 +141,8 @@ def this_machine(path: str) -> clusters.Cluster:
     cores = os.cpu_count() or 1
     machine = clusters.this_machine(clusters.calibrated(rows), matmul_flops(), cores)
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # the optimizer's memory traffic is not measured: left out (unbounded bandwidth)
+    # memory bandwidth is not measured: the elementwise ops and the optimizer are left out
+    # (unbounded); tools/plan_validate.py measures it
     return replace(machine, gpu=replace(machine.gpu, memory=ram / cores, memory_bw=float("inf")))
 
 

@@ -78,7 +78,18 @@ def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     slot = parts["compute"] / m
     assert parts["bubble"] == pytest.approx((pp - 1) / v * slot, rel=1e-12)
     flops = 3 * GPT3.forward_flops_per_token() * GPT3.seq * m / pp
-    assert parts["compute"] == pytest.approx(flops / (A100.gpu.peak_flops * 0.5), rel=1e-12)
+    memory = m * plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
+    want = flops / (A100.gpu.peak_flops * 0.5) + memory
+    assert parts["compute"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.pure
+def test_elementwise_bytes_are_5_passes_over_what_each_layer_keeps():
+    x = plan.Layout(dp=1, pp=4, tp=8, b=2)  # 24 layers a stage, m = 8: 4 microbatches in flight
+    kept = plan.memory_bytes(GPT3, x, 8, flash=False)["activations"] / (24 * 4)  # one layer's
+    assert plan.elementwise_nbytes(GPT3, x, flash=False) == pytest.approx(5 * kept * 24)
+    full = plan.Layout(dp=1, pp=4, tp=8, b=2, recompute="full")  # the forward runs twice
+    assert plan.elementwise_nbytes(GPT3, full, flash=False) == pytest.approx(7 * kept * 24)
 
 
 @pytest.mark.pure
