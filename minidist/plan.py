@@ -231,11 +231,13 @@ def step(
     eff: Efficiency,
     e: int = 2,
     flash: bool = True,
+    psi: float = 0,
 ) -> dict:
     """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
     e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
     is a roofline's two sides: the matmuls' FLOPs at peak x efficiency, the rest of the work
-    (elementwise_nbytes) at the memory's bandwidth."""
+    (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
+    (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model)."""
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
@@ -253,7 +255,7 @@ def step(
     stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
     message = stage_link.latency + act / (x.tp if x.scatter else 1) / stage_link.bandwidth
     t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
-    psi_g = shape.params() / (x.pp * x.tp)
+    psi_g = psi or shape.params() / (x.pp * x.tp)
     # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
     # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
