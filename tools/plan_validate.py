@@ -6,13 +6,14 @@ Calibrates this machine from measurements only, none of them of a training step:
   links    alpha and B fitted to `minidist bench p2p --json` (cluster.calibrated);
   memory   a core's copy bandwidth: plan.step prices the elementwise work (elementwise_nbytes)
            and the optimizer (16 bytes a parameter, read and written) with it;
-  compute  a core's FLOP/s on the job's own layer: one whole toy TransformerBlock's forward and
-           backward at the layout's microbatch shape (b, s, h), in one thread, its FLOPs as
-           plan.Shape counts them (the layer's matmuls, its attention scores) over its CPU time
-           less the elementwise bytes at the copy bandwidth. What is left of the LayerNorms,
-           GELU, softmax (exp, erf: more than memory traffic on a CPU) and torch's per-op
-           overhead stays in that rate, which a bare matmul leaves out (a 256 x 256 matmul
-           ran 20-60% faster a FLOP).
+  compute  a core's FLOP/s on the job's own layer: one toy TransformerBlock's forward and
+           backward at the layout's microbatch shape (b, s, h), cut over tp as a rank runs it
+           (tp ranks as threads), its FLOPs as plan.Shape counts them (the layer's matmuls, its
+           attention scores; 1/tp of them) over a rank's CPU time less the elementwise bytes
+           at the copy bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
+           more than memory traffic on a CPU), torch's per-op overhead (about 17 us an op,
+           137 ops a whole block) and the smaller matmuls of a tp slice stays in that rate,
+           which a bare matmul leaves out (a 256 x 256 matmul ran 20-60% faster a FLOP).
 Then for each layout runs `minidist train --json` (one rank per core) and prints the plan's
 seconds per step (plan.step, e=4: float32; efficiencies 1, no overlap) beside the measured
 median over the steps after the first (the first is warm-up), in rank 0's CPU time and wall
@@ -36,7 +37,8 @@ from dataclasses import replace
 import torch
 
 from minidist import plan, plan_cli
-from minidist.tensor_parallel_blocks import TransformerBlock
+from minidist.tensor_parallel_blocks import ParallelTransformerBlock, TransformerBlock
+from minidist.testing import run_threads
 
 MODEL = {"seq-len": 128, "d-model": 256, "n-heads": 4, "d-ff": 1024, "n-layers": 4}
 SHAPE = plan.Shape("toy", 4, 256, 4, 1024, 256, 128, dropout=False)  # MODEL, bytes vocabulary
@@ -72,19 +74,28 @@ def _cpu_median(work, repeats: int) -> float:
     return statistics.median(times)
 
 
-def layer_flops_rate(b: int, memory_bw: float, repeats: int = 5) -> float:
-    """A core's FLOP/s on one whole toy block, forward and backward, x (b, s, h): its matmul
-    FLOPs over its CPU time less what plan.step prices apart (the elementwise bytes at
-    memory_bw; the toy's attention keeps its scores: flash=False)."""
+def layer_flops_rate(b: int, tp: int, memory_bw: float, repeats: int = 5) -> float:
+    """A core's FLOP/s on one toy block as a rank of tp runs it, forward and backward, x (b, s,
+    h): its matmul FLOPs over its CPU time (the slowest rank's, tp ranks as threads whose waits
+    sleep) less what plan.step prices apart (the elementwise bytes at memory_bw; the toy's
+    attention keeps its scores: flash=False)."""
     s, h = SHAPE.seq, SHAPE.hidden
-    block = TransformerBlock(h, SHAPE.heads, SHAPE.ffn)
-    x = torch.randn(b, s, h, requires_grad=True)  # (b, s, h)
-    flops = b * s * 3 * (2 * SHAPE.layer_params() + 4 * s * h)  # step_flops, one layer
-    one = plan.Layout(1, 1, 1, b=b)
+    flops = b * s * 3 * (2 * SHAPE.layer_params() + 4 * s * h) / tp  # step_flops, one layer
+    one = plan.Layout(1, 1, tp, b=b)
     memory = plan.elementwise_nbytes(SHAPE, one, False, 4) / SHAPE.layers / memory_bw
+    seconds = max(run_threads(_block_seconds, tp, b, repeats, timeout=600))
+    return flops / (seconds - memory)
+
+
+def _block_seconds(tp_comm, b: int, repeats: int) -> float:
+    """This rank's median CPU seconds of its slice of a toy block, forward and backward."""
+    block = TransformerBlock(SHAPE.hidden, SHAPE.heads, SHAPE.ffn)
+    if tp_comm.world_size > 1:
+        block = ParallelTransformerBlock.from_full(block, tp_comm)
+    x = torch.randn(b, SHAPE.seq, SHAPE.hidden, requires_grad=True)  # (b, s, h)
     with plan_cli._one_thread(torch):
         block(x).sum().backward()  # the first call allocates: not timed
-        return flops / (_cpu_median(lambda: block(x).sum().backward(), repeats) - memory)
+        return _cpu_median(lambda: block(x).sum().backward(), repeats)
 
 
 def copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
@@ -97,7 +108,7 @@ def copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
 def planned_step(cluster, dp: int, pp: int, tp: int) -> dict:
     """plan.step's parts for the layout, with the compute rate of its microbatch shape."""
     x = plan.Layout(dp, pp, tp, b=BATCH // (dp * MICROBATCHES), scatter=False)
-    gpu = replace(cluster.gpu, peak_flops=layer_flops_rate(x.b, cluster.gpu.memory_bw))
+    gpu = replace(cluster.gpu, peak_flops=layer_flops_rate(x.b, tp, cluster.gpu.memory_bw))
     return plan.step(SHAPE, x, replace(cluster, gpu=gpu), BATCH, plan_cli.MEASURED, 4, False)
 
 
