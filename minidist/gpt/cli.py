@@ -12,12 +12,13 @@ train.predicted_nbytes), the measured pipeline bubble (the last step's compute s
 the formula, throughput; and writes into --out: loss.png, pipeline.png, trace.json (open in
 ui.perfetto.dev). --check then trains the same run in one process (in rank 0's) and reports
 the largest relative difference of the loss curve and of the final parameters.
---json prints one object instead of the tables (and no bar), with rank 0's wall-clock and CPU
-seconds of each step (step_seconds, step_cpu_seconds; the first includes the warm-up).
-Checkpoints (resume.py): --save DIR writes DIR/step-NNNNNNN.pt at the end (and every
---save-every steps; at --stop-at STEP, which ends the run early, as before a time limit);
---resume PATH (a file, or a folder: its newest) continues from one, in any layout of the same
-model.
+--json prints one object instead of the tables (and no bar). Checkpoints (resume.py): --save DIR
+writes DIR/step-NNNNNNN.pt at the end (and every --save-every steps; at --stop-at STEP, which
+ends the run early, as before a time limit); --resume PATH (a file, or a folder: its newest)
+continues from one, in any layout of the same model.
+
+The --json object holds rank 0's wall-clock and CPU seconds of each step (step_seconds,
+step_cpu_seconds; the first step includes the warm-up), for step-time benchmarks.
 """
 
 from __future__ import annotations
