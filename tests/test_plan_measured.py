@@ -76,7 +76,9 @@ LAYOUTS = [(2, 1, 2, 0), (2, 2, 2, 0), (2, 2, 2, 3)]
 
 @pytest.mark.parametrize("dp,pp,tp,zero", LAYOUTS)
 def test_plan_bytes_and_memory_are_the_main_jobs(dp, pp, tp, zero):
-    config = TrainConfig(dp, pp, tp, zero, microbatches=4, steps=1, batch=8 * dp, warmup=0)
+    config = TrainConfig(
+        dp=dp, pp=pp, tp=tp, zero=zero, microbatches=4, steps=1, batch=8 * dp, warmup=0
+    )
     config = replace(config, model=MODEL)
     x = plan.Layout(dp, pp, tp, 1, zero, b=2, scatter=False)  # minidist sends whole activations
     for got in run_threads(one_step, dp * pp * tp, config):

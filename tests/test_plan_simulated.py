@@ -81,7 +81,9 @@ RATIOS = {
 
 @pytest.mark.parametrize("dp,pp,tp,zero", list(RATIOS))
 def test_plan_and_simulated_step_agree(dp, pp, tp, zero):
-    config = TrainConfig(dp, pp, tp, zero, microbatches=4, steps=2, batch=8 * dp, warmup=0)
+    config = TrainConfig(
+        dp=dp, pp=pp, tp=tp, zero=zero, microbatches=4, steps=2, batch=8 * dp, warmup=0
+    )
     config = replace(config, model=MODEL)
     seconds, psi = simulated_step(config)
     ratio = planned_step(config, psi) / seconds
