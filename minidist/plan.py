@@ -6,7 +6,10 @@ formulas against this project's own code where they overlap (bytes and memory) a
 published large runs (tests/published_runs.py), with the calibration named there.
 Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam):
     model state   16 Psi_g (stage 0), 4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3)
-                  bytes per parameter (Rajbhandari et al., SC 2020, section 3.1)
+                  bytes per parameter (Rajbhandari et al., SC 2020, section 3.1); Psi_g of
+                  the first stage: its layers and the embedding (and the output layer if pp = 1);
+                  float32 (e = 4): 16, 8 + 12/dp, 4 + 16/dp, 20/dp (ZeRO keeps a float32
+                  master, as minidist's does); ZeRO-3 also one layer's gathered parameters
     activations   per layer and microbatch of b sequences of s tokens (Korthikanti et al.,
                   2022, table 2): s b h (10 + 24/t + 5 a s/(h t)); with sequence parallelism
                   s b h (34 + 5 a s/h)/t; selective recompute drops the 5 a s/h term; full
@@ -17,15 +20,19 @@ Time per step (the slowest stage):
     compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
                   (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
                   again with full recompute (Narayanan et al., SC 2021, section 5.1); split
-                  over tp and pp
+                  over tp and pp; + the elementwise ops' bytes / memory bandwidth: 5 passes
+                  over the activations each layer keeps (7 with full recompute)
     pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
                   stage and 1 for the output layer (backward) on the last (both if pp = 1),
                   on the node's links if tp <= g, else on the network
-    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (s b h
+                  without Megatron-LM's scatter/gather, as minidist's pipeline sends them)
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
+Bytes each rank sends per dimension: sent_nbytes (tests/test_plan_measured.py: equal to what
+minidist's main job sends, memory within 10% of what it holds).
 Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown)
 -> search (every layout of a GPU count, the feasible ones ranked) -> plan_cli (`minidist plan`).
 Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -55,6 +62,7 @@ class Shape:
     seq: int
     kv_heads: int = 0  # 0: as many as heads
     glu: bool = False
+    dropout: bool = True  # its masks are stored for backward (Korthikanti et al. count them)
 
     def layer_params(self) -> int:
         """Parameters of one layer's matrices (biases and norms are < 0.1%: left out)."""
@@ -98,7 +106,9 @@ SHAPES = {
 @dataclass(frozen=True)
 class Layout:
     """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
-    microbatch size b, recompute (none | selective | full), sequence parallelism."""
+    microbatch size b, recompute (none | selective | full), sequence parallelism; scatter:
+    each tp rank sends its 1/tp of an activation to the next stage, which all-gathers it
+    (Megatron-LM's scatter/gather; minidist's pipeline sends the whole activation)."""
 
     dp: int
     pp: int
@@ -108,6 +118,7 @@ class Layout:
     b: int = 1
     recompute: str = "none"
     sp: bool = False
+    scatter: bool = True  # a stage sends 1/tp of an activation (Narayanan et al., section 4.1)
 
     def microbatches(self, batch: int) -> int:
         return batch // (self.dp * self.b)
@@ -154,24 +165,56 @@ def stage_layers(shape: Shape, layout: Layout) -> int:
     return -(-shape.layers // (layout.pp * layout.v)) * layout.v
 
 
-def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True) -> dict:
-    """Bytes per GPU on the fullest stage: model state and activations (the docstring).
+def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e: int = 2) -> dict:
+    """Bytes per GPU on the fullest stage: model state and activations (the docstring), and
+    with ZeRO-3 one layer's gathered parameters (freed layer by layer, as DeepSpeed does).
     flash: attention that never stores the s x s scores (FlashAttention; Dao et al., 2022)
-    keeps no 5 a s/h term, as selective recompute."""
-    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    keeps no 5 a s/h term, as selective recompute. e: bytes of a value (2: mixed precision;
+    4: float32, each of Korthikanti et al.'s 2-byte values twice as large, and the model state
+    float32 parameters and gradients, Adam's two moments, with ZeRO also a float32 master as
+    minidist's zero.py keeps one). Without dropout (shape.dropout) the per-layer constant is 8,
+    not 10 (no two s b h masks), and the attention term 2 a s/h, not 5 (the softmax output is
+    the one s x s tensor kept)."""
+    x, h = layout, shape.hidden
     layers = stage_layers(shape, x)
-    psi = (layers * shape.layer_params() + shape.vocab * h) / x.tp  # the first stage
-    per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
-    t, sbh = x.tp, s * x.b * h
-    if x.recompute == "full":
-        per_layer = 2 * sbh / (t if x.sp else 1)
+    ends = 2 if x.pp == 1 else 1  # the first stage: the embedding; and the output layer if pp = 1
+    psi = (layers * shape.layer_params() + ends * shape.vocab * h) / x.tp
+    if e == 2:
+        per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
     else:
-        attention = 0 if x.recompute == "selective" or flash else 5 * a * s / (h * t)
-        per_layer = sbh * ((34 / t if x.sp else 10 + 24 / t) + attention)
+        per_param = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}[x.zero]
+    if x.recompute == "full":
+        per_layer = shape.seq * x.b * h * e / (x.tp if x.sp else 1)  # 2 s b h 2-byte values
+    else:
+        per_layer = layer_activation_bytes(shape, x, flash, e)
     m = x.microbatches(batch)
     in_flight = min(x.pp, m) * (1 + (x.pp - 1) / (x.pp * x.v) if x.v > 1 else 1)
-    activations = per_layer * layers * in_flight
-    return {"model state": psi * per_param, "activations": activations}
+    memory = {"model state": psi * per_param, "activations": per_layer * layers * in_flight}
+    if x.zero == 3:
+        memory["gathered"] = e * max(shape.layer_params(), shape.vocab * h) / x.tp
+    return memory
+
+
+def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
+    """Bytes one layer keeps for backward per microbatch without full recompute (Korthikanti et
+    al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout)."""
+    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    t, sbh = x.tp, s * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
+    drop = 2 if shape.dropout else 0
+    scores = 5 if shape.dropout else 2
+    attention = 0 if x.recompute == "selective" or flash else scores * a * s / (h * t)
+    return sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
+
+
+def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
+    """Bytes the fullest stage's non-matmul work (norms, GELU, softmax, dropout, residual adds)
+    moves through memory per microbatch: each value a layer keeps for backward (without
+    recompute) is the input of an elementwise op y = f(x), which reads x and writes y in
+    forward, and reads x, reads dy and writes dx in backward: 5 passes, 7 with full recompute
+    (its forward runs again). A count, not a fit."""
+    kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
+    passes = 7 if layout.recompute == "full" else 5
+    return passes * kept * stage_layers(shape, layout)
 
 
 def _over(cluster: Cluster, stride: int) -> Cluster:
@@ -181,16 +224,27 @@ def _over(cluster: Cluster, stride: int) -> Cluster:
 
 
 def step(
-    shape: Shape, layout: Layout, cluster: Cluster, batch: int, eff: Efficiency, e: int = 2
+    shape: Shape,
+    layout: Layout,
+    cluster: Cluster,
+    batch: int,
+    eff: Efficiency,
+    e: int = 2,
+    flash: bool = True,
+    psi: float = 0,
 ) -> dict:
     """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
-    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32)."""
+    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
+    is a roofline's two sides: the matmuls' FLOPs at peak x efficiency, the rest of the work
+    (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
+    (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model)."""
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
     flops = shape.step_flops_per_token(x.recompute)  # the logits apportioned like the layers
     mb_flops = flops * s * x.b * layers / (shape.layers * x.tp)  # a microbatch, fullest stage
     t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
+    t_mb += elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
     slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
     net = replace(cluster, inter=slower)
     act = e * s * x.b * h  # bytes of one activation tensor
@@ -199,9 +253,9 @@ def step(
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
     slot = t_mb + t_tp
     stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
-    message = stage_link.latency + act / x.tp / stage_link.bandwidth
+    message = stage_link.latency + act / (x.tp if x.scatter else 1) / stage_link.bandwidth
     t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
-    psi_g = shape.params() / (x.pp * x.tp)
+    psi_g = psi or shape.params() / (x.pp * x.tp)
     # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
     # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
@@ -217,6 +271,27 @@ def step(
         "dp": max(0.0, t_dp - eff.overlap * window * m * t_mb),
         "optimizer": optimizer,
     }
+
+
+def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float = 0) -> dict:
+    """Bytes one rank of the first stage sends per step on each dimension's links, with ring
+    collectives (an all-reduce of N bytes over p ranks: 2 (p-1)/p N; a reduce-scatter or an
+    all-gather half that): what step() prices. psi: this rank's parameters (default the
+    plan's count: matrices and the embedding, memory_bytes' Psi).
+    tp   m (4 L_s + 1) all-reduces of an activation (6 L_s + 1 with full recompute; + 1 for
+         the output layer if pp = 1)
+    pp   m v activations on and m (v-1) gradients back (chunk 0 of the first stage gets none),
+         each 1/tp of the activation with scatter
+    dp   step()'s rounds of all-reduces of e psi bytes"""
+    x, m, act = layout, layout.microbatches(batch), e * shape.seq * layout.b * shape.hidden
+    ring = lambda p: 2 * (p - 1) / p  # noqa: E731
+    layers = stage_layers(shape, x)
+    ends = 2 if x.pp == 1 else 1
+    tp = m * (layers * (6 if x.recompute == "full" else 4) + ends) * act * ring(x.tp)
+    pp = m * (2 * x.v - 1) * act / (x.tp if x.scatter else 1) if x.pp > 1 else 0
+    psi = psi or (layers * shape.layer_params() + ends * shape.vocab * shape.hidden) / x.tp
+    rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
+    return {"dp": rounds * ring(x.dp) * e * psi, "pp": pp, "tp": tp}
 
 
 @dataclass(frozen=True)
@@ -245,7 +320,7 @@ def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9)
     if total > room:
         gb = cluster.gpu.memory / 1e9
         why = [f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"]
-    return Plan(layout, memory, step(shape, layout, cluster, batch, eff), tuple(why))
+    return Plan(layout, memory, step(shape, layout, cluster, batch, eff, flash=flash), tuple(why))
 
 
 def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
@@ -291,8 +366,8 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
 # 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
 CALIBRATED = {
-    "A100": Efficiency(compute=0.555, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.741, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.610, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.814, network=0.630, overlap=1.0),
 }
 
 

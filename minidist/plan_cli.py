@@ -80,10 +80,7 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append(f"--png {args.png}: its folder does not exist")
     if found:
         return None, None, found
-    shape = plan.SHAPES[args.model]
-    changes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads}
-    changes |= {"ffn": args.ffn, "vocab": args.vocab, "seq": args.seq_len}
-    shape = replace(shape, **{k: v for k, v in changes.items() if v is not None})
+    shape = derived_shape(args)
     if shape.hidden % shape.heads:
         found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
     if args.cluster != "this":
@@ -92,6 +89,21 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         return shape, this_machine(args.calibration), found
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         return shape, None, [*found, f"--calibration {args.calibration}: {e}"]
+
+
+def derived_shape(args) -> plan.Shape:
+    """The --model's shape with the shape flags applied; renamed "custom (<model> with
+    <changes>)" if any changes it. The FFN keeps its ratio to the width unless --ffn is given."""
+    shape = plan.SHAPES[args.model]
+    changes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads}
+    changes |= {"ffn": args.ffn, "vocab": args.vocab, "seq": args.seq_len}
+    if args.hidden and args.ffn is None:
+        changes["ffn"] = shape.ffn * args.hidden // shape.hidden
+    changes = {k: v for k, v in changes.items() if v is not None and v != getattr(shape, k)}
+    if not changes:
+        return shape
+    what = ", ".join(f"{k}={v}" for k, v in changes.items())
+    return replace(shape, name=f"custom ({shape.name} with {what})", **changes)
 
 
 def matmul_flops(n: int = 256, repeats: int = 7) -> float:
@@ -129,7 +141,8 @@ def this_machine(path: str) -> clusters.Cluster:
     cores = os.cpu_count() or 1
     machine = clusters.this_machine(clusters.calibrated(rows), matmul_flops(), cores)
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # the optimizer's memory traffic is not measured: left out (unbounded bandwidth)
+    # memory bandwidth is not measured: the elementwise ops and the optimizer are left out
+    # (unbounded); tools/plan_validate.py measures it
     return replace(machine, gpu=replace(machine.gpu, memory=ram / cores, memory_bw=float("inf")))
 
 
@@ -212,8 +225,16 @@ def _name(layout: dict) -> str:
     )
 
 
+def count(n: float) -> str:
+    """A parameter count as people write it: 175.0B, 124.4M, 12.3K."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def _print(shape, cluster, args, rows, refused) -> None:
-    print(f"{shape.name} ({shape.params() / 1e9:.1f}B) on {args.gpus} x {cluster.gpu.name},")
+    print(f"{shape.name} ({count(shape.params())}) on {args.gpus} x {cluster.gpu.name},")
     print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
     head = f"{'layout':38} {'step s':>7} " + " ".join(f"{p:>6}" for p in PARTS)
     print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")

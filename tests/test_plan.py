@@ -78,7 +78,18 @@ def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     slot = parts["compute"] / m
     assert parts["bubble"] == pytest.approx((pp - 1) / v * slot, rel=1e-12)
     flops = 3 * GPT3.forward_flops_per_token() * GPT3.seq * m / pp
-    assert parts["compute"] == pytest.approx(flops / (A100.gpu.peak_flops * 0.5), rel=1e-12)
+    memory = m * plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
+    want = flops / (A100.gpu.peak_flops * 0.5) + memory
+    assert parts["compute"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.pure
+def test_elementwise_bytes_are_5_passes_over_what_each_layer_keeps():
+    x = plan.Layout(dp=1, pp=4, tp=8, b=2)  # 24 layers a stage, m = 8: 4 microbatches in flight
+    kept = plan.memory_bytes(GPT3, x, 8, flash=False)["activations"] / (24 * 4)  # one layer's
+    assert plan.elementwise_nbytes(GPT3, x, flash=False) == pytest.approx(5 * kept * 24)
+    full = plan.Layout(dp=1, pp=4, tp=8, b=2, recompute="full")  # the forward runs twice
+    assert plan.elementwise_nbytes(GPT3, full, flash=False) == pytest.approx(7 * kept * 24)
 
 
 @pytest.mark.pure
@@ -158,7 +169,7 @@ def test_the_command_runs_as_minidist_plan():
         (["--tokens", "-1"], "--tokens=-1.0 must be positive"),
         (["--hidden", "100", "--heads", "3"], "hidden=100 is not divisible by heads=3"),
         (["--png", "/no/such/folder/p.png"], "--png /no/such/folder/p.png: its folder does not"),
-        (["--gpus", "8", "--batch", "8"], "needs 349.8 GB a GPU; 90% of 80 GB is 72.0"),
+        (["--gpus", "8", "--batch", "8"], "needs 351.0 GB a GPU; 90% of 80 GB is 72.0"),
     ],
 )
 def test_cli_refuses_bad_input_with_the_numbers(args, line, capsys):
@@ -184,3 +195,16 @@ def test_this_machine_from_a_bench_p2p_file(tmp_path, capsys):
     assert json.loads(out)["cluster"] == "this machine"
     code, _, err = run_cli(capsys, "--cluster", "this")
     assert code == 2 and "--cluster this needs --calibration FILE" in err, err
+
+
+@pytest.mark.pure
+def test_a_changed_shape_is_named_custom_with_its_own_count(capsys):
+    args = ("--layers", "2", "--hidden", "64", "--heads", "4", "--gpus", "1", "--batch", "8")
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    shape = plan.Shape("", 2, 64, 4, 256, GPT3.vocab, GPT3.seq)  # the FFN keeps 4 x the width
+    name = "custom (GPT-3 175B with layers=2, hidden=64, heads=4, ffn=256)"
+    assert out.startswith(f"{name} ({plan_cli.count(shape.params())})"), out
+    assert plan_cli.count(shape.params()) == "6.7M" and plan_cli.count(175e9) == "175.0B"
+    code, out, _ = run_cli(capsys, "--model", "llama-7b", "--gpus", "8", "--hidden", "4096")
+    assert out.startswith("Llama 2 7B (6.7B)"), out  # a flag equal to the preset's changes nothing

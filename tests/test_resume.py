@@ -230,4 +230,5 @@ def test_cli_interrupted_then_resumed_in_another_layout_matches_one_process(tmp_
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["first_step"] == 3 and len(summary["losses"]) == 3
+    assert len(summary["step_seconds"]) == len(summary["step_cpu_seconds"]) == 3  # its steps
     assert summary["check"]["ok"], summary["check"]

@@ -17,6 +17,9 @@ of the loss curve and of the final parameters.
 writes DIR/step-NNNNNNN.pt at the end (and every --save-every steps; at --stop-at STEP, which
 ends the run early, as before a time limit); --resume PATH (a file, or a folder: its newest)
 continues from one, in any layout of the same model.
+
+The --json object holds rank 0's wall-clock and CPU seconds of each step (step_seconds,
+step_cpu_seconds; the first step includes the warm-up), for step-time benchmarks.
 """
 
 from __future__ import annotations
@@ -179,11 +182,12 @@ def rank_main(argv: list[str]) -> None:
     for counter in counters.values():
         counter.reset()  # count the steps, not the set-up
     bar = _progress(config, comm.rank == 0 and not args.json, job.step)
-    first, losses, skipped, seconds = job.step, [], [], 0.0
+    first, losses, skipped, seconds, times = job.step, [], [], 0.0, []
     for step in range(first, config.steps):
-        start = _now()
+        start, cpu = _now(), time.process_time()
         loss, stepped = train_step(job)
-        seconds += _now() - start
+        times.append((_now() - start, time.process_time() - cpu))
+        seconds += times[-1][0]
         losses.append(loss)
         skipped += [] if stepped else [step]
         if stepped and not math.isfinite(loss):  # the same loss on every rank: all stop here
@@ -204,6 +208,8 @@ def rank_main(argv: list[str]) -> None:
         bar.close()
     tracer.rank = comm.rank  # the sub-comms renamed it
     result = {"losses": losses, "skipped": skipped, "seconds": seconds, "first_step": first}
+    result["step_seconds"] = [wall for wall, _ in times]
+    result["step_cpu_seconds"] = [cpu for _, cpu in times]
     report = _gather_report(
         job, counters, tracer, len(losses)
     )  # first: what follows sends bytes too
@@ -279,6 +285,8 @@ def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
         "first_step": result["first_step"],
         "skipped": result["skipped"],
         "seconds": result["seconds"],
+        "step_seconds": result["step_seconds"],  # rank 0's, each step: wall clock
+        "step_cpu_seconds": result["step_cpu_seconds"],  # and this process's CPU time
         "tokens_per_second": tokens / result["seconds"],
         "bubble": bubble,
         "bubble_formula": bubble_formula(config.schedule, p, m, v),
