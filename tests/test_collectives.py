@@ -6,7 +6,7 @@ and the verdict is combined across ranks. Inputs are laid out non-contiguously i
 examples, inside a larger buffer whose other elements must come back untouched. The module is
 fetched with impl("collectives") inside each rank, so `make lab L=02` grades a learner's file.
 Tiers: threads (world sizes 1..8, many examples), processes (4 mpi or gloo processes started
-once per test, world sizes 1..4 by splitting). Byte counts are checked against the formulas in
+once per test, fixed cases on 3 and 4 ranks). Byte counts are checked against the formulas in
 the module docstring. all_to_all (uneven counts drawn from the seed) is also compared, byte for
 byte, with the library's own in the process tier: MPI_Alltoallv on mpi; on gloo
 torch.distributed.all_to_all_single, which Gloo runs with uneven splits (its list form,

@@ -15,7 +15,7 @@ eps s, times |q|, up to s).
 Bytes sent per rank (counted with ObservedComm), the tensors saved for backward (measured by the
 saved-tensor hooks) and the causal work per rank are checked against the docstring's formulas.
 Tiers: pure (the plan, the work formulas, refusals), threads (cp 1..6, hypothesis), processes
-(4 mpi or gloo processes started once per test, cp 1..4 by splitting), gpu (CUDA tensors on
+(4 mpi or gloo processes started once per test, fixed cases at cp 3 and 4), gpu (CUDA tensors on
 threads; skipped without a GPU).
 """
 

@@ -16,7 +16,7 @@ batch, and its gradient sums them in another order.
 Bytes: each rank sends exactly step_nbytes of its counted assignments (the formula in the
 module docstring), counted with ObservedComm around forward and backward.
 Tiers: pure (errors, capacity), threads (ep 1..8, dp x ep), processes (4 mpi or gloo processes
-started once per test, ep 1..4 by splitting).
+started once per test, fixed cases at ep 3 and 4).
 """
 
 from __future__ import annotations
