@@ -16,10 +16,12 @@ Inside ranks, never assert on one rank alone: the others would wait forever for 
 verdict on every rank and combine it first (`verdict`), so all ranks pass or fail together.
 `compare` builds the per-tensor report (tensor, rank, max difference) the verdict carries.
 
-Property tests over processes start the processes once and run hypothesis *inside* every rank
-with `RANK_SETTINGS` (derandomized, no database, no deadline): every rank draws the same cases
-and, because verdicts are combined before any assert, sees the same outcomes, so even shrinking
-stays in step across ranks.
+Property tests over processes start the processes once and run the same property *inside*
+every rank: on a few fixed hard cases (`in_subworlds(..., explicit=...)`; the threads tier
+draws the wide sweeps), and where cases are drawn, with hypothesis under `RANK_SETTINGS`
+(derandomized, no database, no deadline): every rank draws the same cases and, because
+verdicts are combined before any assert, sees the same outcomes, so even shrinking stays in
+step across ranks.
 """
 
 from __future__ import annotations
