@@ -48,6 +48,10 @@ from .watchdog import Lifelines, Outcome, Watch, job_timeout
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
 WRAPPER = "import sys; from minidist.watchdog import rank_main; rank_main(sys.argv[1:])"
+# seconds the ranks of a job that succeeded get to leave (MPI_Finalize, mpiexec's last output):
+# MPICH's finalize waits forever for a message sent but never received (a worker a parameter
+# server dropped), and every rank has already reported exit code 0
+EXIT_GRACE = 10.0
 _local = threading.local()  # the comm of a thread started by `minidist run --backend threads`
 
 
@@ -246,7 +250,7 @@ def launch(
         if outcome.timed_out and done_marker is not None:
             outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]
         if outcome.returncode == 0:  # every rank ended: let them (and mpiexec's output) finish
-            _wait(procs, job_timeout(base))
+            _wait(procs, min(EXIT_GRACE, job_timeout(base)))
         return outcome
     finally:
         _stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher

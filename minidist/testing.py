@@ -16,10 +16,12 @@ Inside ranks, never assert on one rank alone: the others would wait forever for 
 verdict on every rank and combine it first (`verdict`), so all ranks pass or fail together.
 `compare` builds the per-tensor report (tensor, rank, max difference) the verdict carries.
 
-Property tests over processes start the processes once and run hypothesis *inside* every rank
-with `RANK_SETTINGS` (derandomized, no database, no deadline): every rank draws the same cases
-and, because verdicts are combined before any assert, sees the same outcomes, so even shrinking
-stays in step across ranks.
+Property tests over processes start the processes once and run the same property *inside*
+every rank: on a few fixed hard cases (`in_subworlds(..., explicit=...)`; the threads tier
+draws the wide sweeps), and where cases are drawn, with hypothesis under `RANK_SETTINGS`
+(derandomized, no database, no deadline): every rank draws the same cases and, because
+verdicts are combined before any assert, sees the same outcomes, so even shrinking stays in
+step across ranks.
 """
 
 from __future__ import annotations
@@ -64,29 +66,35 @@ def subworlds(comm) -> dict:
     return {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
 
 
-def in_subworlds(comm, check, cases, max_examples: int, world_of=None) -> int:
-    """Hypothesis inside every rank: for each case, check(sub, case) on the sub-world of the
-    first k ranks, k = world_of(case) (default: drawn from 1..world_size, and check gets the
-    case alone); the other ranks sit it out. The number of examples run, the same everywhere.
+def in_subworlds(comm, check, cases, max_examples: int, world_of=None, explicit=()) -> int:
+    """Fixed cases, then hypothesis, inside every rank: for each case, check(sub, case) on the
+    sub-world of the first k ranks, k = world_of(case) (default: the case is (k, case), k drawn
+    from 1..world_size, and check gets the case alone); the other ranks sit it out. `explicit`:
+    cases run first, in order (the process tier's few hard ones); then max_examples drawn from
+    `cases` (0: none). The number of cases run, the same everywhere.
 
     check must combine its verdict over sub before asserting (verdict, check_all), so every
     rank of the sub-world fails together and hypothesis stays in step across ranks."""
-    subs, count = subworlds(comm), [0]
+    subs, count = {}, [0]
     if world_of is None:
         cases, world_of = st.tuples(st.integers(1, comm.world_size), cases), lambda c: c[0]
         run = lambda sub, drawn: check(sub, drawn[1])  # noqa: E731
     else:
         run = check
 
-    @rank_settings(max_examples)
-    @given(cases)
-    def prop(case):
+    def one(case) -> None:
         count[0] += 1
-        if comm.rank < world_of(case):
-            run(subs[world_of(case)], case)
-        comm.barrier()  # the ranks outside wait, so the next example starts together
+        k = world_of(case)
+        if k not in subs:  # collective, the same on every rank: they see the same cases
+            subs[k] = comm.split(int(comm.rank < k))  # made once, when first needed (gloo: slow)
+        if comm.rank < k:
+            run(subs[k], case)
+        comm.barrier()  # the ranks outside wait, so the next case starts together
 
-    prop()
+    for case in explicit:
+        one(case)
+    if max_examples > 0:
+        rank_settings(max_examples)(given(cases)(one))()
     return count[0]
 
 

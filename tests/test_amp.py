@@ -372,10 +372,22 @@ def test_fp16_data_parallel_on_cuda(reduce):
     check_fp16_runs(run_threads(fp16_data_parallel, 2, reduce, "cuda", **FAST), "cuda")
 
 
+# the process tier's fixed cases (test_amp_data_parallel_threads draws the sweep): a scale that
+# overflows float64 gradients nowhere but a poisoned rank's, on 4 ranks and on 3
+HARD = [
+    (4, {"d": 4, "h": 5, "b": 3, "micro": 3, "seed": 5, "steps": 4, "opt": "adamw",
+         "log_scale": 24, "interval": 2, "inject": (1, 2)}),
+    (3, {"d": 3, "h": 4, "b": 2, "micro": 2, "seed": 6, "steps": 3, "opt": "sgd",
+         "log_scale": -3, "interval": 1, "inject": (2, 0)}),
+]  # fmt: skip
+
+
 def amp_properties_in_ranks(comm, max_examples: int) -> int:
-    """The exact DP x accumulation x scaling property on sub-worlds 1..p, then real float16."""
+    """The exact DP x accumulation x scaling property on its fixed cases (then max_examples
+    drawn on sub-worlds 1..p), then real float16."""
     torch.set_num_threads(1)  # this rank's own process: one core each
-    count = in_subworlds(comm, amp_dp_matches_single_process, cases, max_examples)
+    explicit = [(min(k, comm.world_size), case) for k, case in HARD]
+    count = in_subworlds(comm, amp_dp_matches_single_process, cases, max_examples, None, explicit)
     got = fp16_data_parallel(comm, "fp32")
     skips = torch.tensor([len(got["skipped"]), *got["skipped"][:4], *[-1] * 4])[:5]
     rows = comm.all_gather(torch.empty(5 * comm.world_size, dtype=torch.int64), skips)
@@ -387,7 +399,7 @@ def amp_properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_amp_data_parallel_processes(backend):
-    assert run_ranks(amp_properties_in_ranks, 4, backend, 5, timeout=180) == [5] * 4
+    assert run_ranks(amp_properties_in_ranks, 4, backend, 0, timeout=180) == [len(HARD)] * 4
 
 
 def amp_inside_data_parallel_wrapper(comm, seed: int) -> None:

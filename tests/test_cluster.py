@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from minidist.collectives import ring_all_reduce
@@ -154,10 +154,21 @@ def hierarchical_case(comm, subs, g, op, dtype, shape, seed) -> None:
     check_all(comm, pairs, context=context)
 
 
+# the process tier's fixed cases on 4 ranks (the threads tier draws the sweep): 2 nodes of 2,
+# 4 of 1 and 1 of 4; each op; float, half, integer and bool data; uneven, 0-d and empty shapes
+HARD = [
+    dict(g=2, op="sum", dtype=torch.float32, shape=(7, 3), seed=1),
+    dict(g=1, op="max", dtype=torch.bfloat16, shape=(5,), seed=2),
+    dict(g=4, op="avg", dtype=torch.int64, shape=(9,), seed=3),
+    dict(g=2, op="min", dtype=torch.bool, shape=(), seed=4),
+    dict(g=2, op="sum", dtype=torch.float16, shape=(0, 2), seed=5),
+]
+
+
 def layouts_in_ranks(comm, max_examples: int) -> int:
-    """Hypothesis inside every rank (the same cases everywhere): each case picks g, a divisor
-    of the world size, and all ranks run it as world_size/g nodes of g. The comms are split
-    once, before any example."""
+    """The fixed cases, then hypothesis (the same cases everywhere) inside every rank: each
+    case picks g, a divisor of the world size, and all ranks run it as world_size/g nodes of g.
+    The comms are split once, before any example."""
     p = comm.world_size
     subs = {("flat", p): comm}
     for g in (d for d in range(1, p + 1) if p % d == 0):
@@ -168,7 +179,9 @@ def layouts_in_ranks(comm, max_examples: int) -> int:
     count = [0]
 
     # no shrinking: a failing case may cost a timeout per try; the threads tier shrinks
-    @settings(RANK_SETTINGS, max_examples=max_examples, phases=[Phase.generate])
+    phases = [Phase.explicit, Phase.generate] if max_examples else [Phase.explicit]
+
+    @settings(RANK_SETTINGS, max_examples=max(max_examples, 1), phases=phases)
     @given(st.sampled_from(divisors), ops, all_dtypes, shapes(max_side=6), seeds)
     def prop(g, op, dtype, shape, seed):
         count[0] += 1
@@ -179,6 +192,8 @@ def layouts_in_ranks(comm, max_examples: int) -> int:
             problem = f"{type(e).__name__}: {e}"[:2000].encode("ascii", "replace").decode()
         verdict(comm, not problem, problem)
 
+    for case in HARD:
+        prop = example(**case)(prop)
     prop()
     return count[0]
 
@@ -186,8 +201,8 @@ def layouts_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_hierarchical_all_reduce_processes(backend):
-    counts = run_ranks(layouts_in_ranks, 4, backend, 20, timeout=120)
-    assert len(set(counts)) == 1 and counts[0] == 20, counts  # every rank ran the same cases
+    counts = run_ranks(layouts_in_ranks, 4, backend, 0, timeout=120)
+    assert counts == [len(HARD)] * 4, counts  # every rank ran the same cases
 
 
 @pytest.mark.threads

@@ -3,7 +3,7 @@
 Every rank rebuilds every rank's input from one seed (integer-valued, so sums are exact in every
 dtype), computes the expected result itself, and the verdict is combined across ranks. The
 threads tier draws world sizes 1..8; the process tier starts 4 processes once per test and
-covers world sizes 1..4 by splitting the world.
+runs fixed cases (every dtype) on 3 and 4 of them by splitting the world.
 """
 
 from __future__ import annotations
@@ -12,22 +12,22 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from minidist.comm import frames
-from minidist.comm.protocol import MAX_TAG, CollectiveMismatch
+from minidist.comm.protocol import MAX_TAG, OPS, CollectiveMismatch
 from minidist.comm.tagged import TAGS, tagged
 from minidist.comm.threads import ThreadsWorld
 from minidist.comm.torchdist import init_process_group
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.testing import (
+    RANK_SETTINGS,
     all_dtypes,
     check_all,
     impl,
     integer_valued,
     ops,
-    rank_settings,
     run_ranks,
     run_threads,
     seeds,
@@ -341,12 +341,25 @@ def test_tracer_writes_a_chrome_trace(tmp_path):
 # ---- tier 2: real processes, started once per test ------------------------------------------
 
 
+# the process tier's fixed cases (the threads tier draws the sweep): every dtype once, each op
+# in turn, on 4 ranks and on 3, blocking and not, odd, 0-d and empty shapes
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+          torch.int32, torch.int8, torch.uint8, torch.bool)  # fmt: skip
+SHAPES = ((7, 3), (5,), (), (2, 0, 3), (9,), (3, 5), (1,), (4, 2), (6, 1))
+HARD = [
+    dict(k=4 - i % 2, shape=SHAPES[i], dtype=dtype, op=OPS[i % 4], seed=i)
+    for i, dtype in enumerate(DTYPES)
+]
+
+
 def properties_in_ranks(comm, max_examples: int) -> int:
-    """Hypothesis inside every rank (same cases everywhere); world sizes 1..p by splitting."""
+    """The fixed cases, then hypothesis, inside every rank (same cases everywhere); world
+    sizes 3 and 4 (drawn: 1..p) by splitting."""
     subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
     examples = [0]
+    phases = [Phase.explicit, Phase.generate] if max_examples else [Phase.explicit]
 
-    @rank_settings(max_examples)
+    @settings(RANK_SETTINGS, max_examples=max(max_examples, 1), phases=phases)
     @given(st.integers(1, comm.world_size), shapes(max_side=5), all_dtypes, ops, seeds)
     def prop(k, shape, dtype, op, seed):
         examples[0] += 1
@@ -356,6 +369,8 @@ def properties_in_ranks(comm, max_examples: int) -> int:
             p2p_ring(sub, shape, dtype, seed, blocking=seed % 2 == 0)
         comm.barrier()
 
+    for case in HARD:
+        prop = example(**case)(prop)
     prop()
     return examples[0]
 
@@ -363,8 +378,8 @@ def properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_comm_properties_processes(backend):
-    counts = run_ranks(properties_in_ranks, 4, backend, 25, timeout=180)
-    assert counts == [25] * 4  # every rank ran the same cases
+    counts = run_ranks(properties_in_ranks, 4, backend, 0, timeout=180)
+    assert counts == [len(HARD)] * 4  # every rank ran the same cases
 
 
 def failures_in_ranks(comm) -> list[str]:

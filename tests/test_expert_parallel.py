@@ -16,7 +16,7 @@ batch, and its gradient sums them in another order.
 Bytes: each rank sends exactly step_nbytes of its counted assignments (the formula in the
 module docstring), counted with ObservedComm around forward and backward.
 Tiers: pure (errors, capacity), threads (ep 1..8, dp x ep), processes (4 mpi or gloo processes
-started once per test, ep 1..4 by splitting).
+started once per test, fixed cases at ep 3 and 4).
 """
 
 from __future__ import annotations
@@ -244,10 +244,24 @@ def test_bad_layouts_are_refused_with_the_numbers():
 # ---- processes: the same property over real mpi and gloo processes -------------------------
 
 
+# the process tier's fixed cases (test_expert_parallel_threads draws the sweep), (ep, case):
+# top-2 with a rank sending no tokens, tokens dropped at capacity 0.5 on an odd world, no cap
+HARD = [
+    (4, {"e_local": 2, "k": 2, "cf": 1.25, "sizes": [5, 0, 9], "d": 3, "f": 4, "alpha": 0.01,
+         "seed": 1}),
+    (3, {"e_local": 1, "k": 1, "cf": 0.5, "sizes": [7, 2], "d": 5, "f": 6, "alpha": 0.5,
+         "seed": 2}),
+    (4, {"e_local": 3, "k": 1, "cf": None, "sizes": [1], "d": 2, "f": 3, "alpha": 0.0,
+         "seed": 3}),
+]  # fmt: skip
+
+
 def properties_in_ranks(comm, max_examples: int) -> int:
-    """Hypothesis inside every rank (the same cases everywhere), ep = 1..4 by splitting; then
-    dp 2 x ep 2 on the mesh, experts' gradients reduced over their replicas only."""
-    count = in_subworlds(comm, ep_matches, cases, max_examples)
+    """The fixed cases (then max_examples drawn, the same on every rank), ep = 1..4 by
+    splitting; then dp 2 x ep 2 on the mesh, experts' gradients reduced over their replicas
+    only."""
+    explicit = [(min(k, comm.world_size), case) for k, case in HARD]
+    count = in_subworlds(comm, ep_matches, cases, max_examples, None, explicit)
     ep_matches(comm, DP_X_EP_CASE, 2, True)
     return count
 
@@ -255,4 +269,4 @@ def properties_in_ranks(comm, max_examples: int) -> int:
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_expert_parallel_processes(backend):
-    assert run_ranks(properties_in_ranks, 4, backend, 10, timeout=180) == [10] * 4
+    assert run_ranks(properties_in_ranks, 4, backend, 0, timeout=180) == [len(HARD)] * 4

@@ -399,8 +399,22 @@ def test_partition_refuses_impossible_plans():
 # ---- processes --------------------------------------------------------------------------
 
 
+def hard_cases(world: int) -> list[tuple[int, dict]]:
+    """The process tier's fixed cases (test_pipeline_threads draws the sweep): each schedule on
+    every rank, 5 microbatches (interleaved: 8, a multiple of the stages it needs), uneven
+    layers, 2 steps, SGD and AdamW in turn; then 1f1b on 3 stages with fewer microbatches."""
+    case = {"v": 2, "widths": [3, 5, 2, 4, 1], "rows": 2, "seed": 11, "steps": 2}
+    every = []
+    for k, name in enumerate(NAMES):
+        m, opt = 8 if name == "interleaved" else 5, ["adamw", "sgd"][k % 2]
+        every.append((world, case | {"schedule": name, "m": m, "opt": opt, "wrap": k % 2 == 0}))
+    few = case | {"schedule": "1f1b", "m": 2, "opt": "adamw", "wrap": True}
+    return [*every, (min(world, 3), few)]
+
+
 def pipeline_properties_in_ranks(comm, max_examples: int) -> int:
-    count = in_subworlds(comm, pipeline_matches_single_process, cases, max_examples)
+    explicit = hard_cases(comm.world_size)
+    count = in_subworlds(comm, pipeline_matches_single_process, cases, max_examples, None, explicit)
     for name in NAMES:  # every schedule once at full size, traced: all_gather works here too
         check_timeline(
             run_in(comm, timeline_and_memory, name, 8, 2),
@@ -434,4 +448,5 @@ def gather_objects(comm, obj) -> list:
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_pipeline_processes(backend):
-    assert run_ranks(pipeline_properties_in_ranks, 4, backend, 10, timeout=240) == [10] * 4
+    cases = len(hard_cases(4))  # and none drawn
+    assert run_ranks(pipeline_properties_in_ranks, 4, backend, 0, timeout=240) == [cases] * 4

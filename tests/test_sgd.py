@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.protocol import CommTimeout
-from minidist.testing import compare, impl, rank_settings, run_ranks, run_threads
+from minidist.testing import compare, impl, run_ranks, run_threads
 
 RTOL, ATOL = 1e-12, 1e-14  # float64; a sum in another order than the reference's
 
@@ -496,44 +496,72 @@ def test_every_variant_converges_to_the_optimum():
 # ---- the same properties over real processes ---------------------------------------------
 
 
-def everything_in_ranks(comm, n_ps: int, n_sgd: int) -> dict:
-    """Each property group on sub-worlds of sizes 1..p, cases drawn alike on every rank."""
-    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
+# the process tier's fixed cases (the threads tier draws the sweeps): a synchronous server pair
+# with equal steps (the 1e-12 comparison), one server with uneven steps, staleness 1 and
+# jitter, and fully asynchronous with one worker stopping at once; sync and local SGD on 4 and 3
+PS_HARD = [
+    {
+        "servers": 2,
+        "steps": [4, 4],
+        "d": 5,
+        "batch": 2,
+        "seed": 1,
+        "staleness": 0,
+        "lr": 0.1,
+        "jitter": 2e-3,
+    },
+    {
+        "servers": 1,
+        "steps": [5, 2, 3],
+        "d": 4,
+        "batch": 3,
+        "seed": 2,
+        "staleness": 1,
+        "lr": 0.05,
+        "jitter": 2e-3,
+    },
+    {
+        "servers": 2,
+        "steps": [0, 5],
+        "d": 3,
+        "batch": 1,
+        "seed": 3,
+        "staleness": None,
+        "lr": 0.1,
+        "jitter": 0.0,
+    },
+]
+SGD_HARD = [
+    (4, {"variant": "sync", "steps": 5, "k": 1, "d": 5, "batch": 3, "seed": 4, "lr": 0.2}),
+    (3, {"variant": "local", "steps": 7, "k": 3, "d": 4, "batch": 2, "seed": 5, "lr": 0.05}),
+]  # fmt: skip
+
+
+def everything_in_ranks(comm) -> dict:
+    """Each property group on its fixed cases, on sub-worlds of the ranks they need."""
+    subs = {}
     out = {"ps": [], "sgd": [], "converge": converge_run(comm, "fixed")}
-    count = [0]
-
-    @rank_settings(n_ps)
-    @given(ps_cases(comm.world_size))
-    def ps_prop(case):
-        count[0] += 1
-        k = case["servers"] + len(case["steps"])
+    runs = [("ps", case["servers"] + len(case["steps"]), ps_run, case) for case in PS_HARD]
+    runs += [("sgd", k, sgd_run, case) for k, case in SGD_HARD]
+    for i, (group, k, run, case) in enumerate(runs):
+        if k not in subs:  # collective: every rank goes through the same list
+            subs[k] = comm.split(int(comm.rank < k))
         if comm.rank < k:
-            out["ps"].append((count[0], case, ps_run(subs[k], case)))
+            out[group].append((i, case, run(subs[k], case)))
         comm.barrier()
-
-    @rank_settings(n_sgd)
-    @given(st.integers(1, comm.world_size), sgd_cases)
-    def sgd_prop(k, case):
-        count[0] += 1
-        if comm.rank < k:
-            out["sgd"].append((count[0], case, sgd_run(subs[k], case)))
-        comm.barrier()
-
-    ps_prop()
-    sgd_prop()
     return out
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_sgd_processes(backend):
-    results = run_ranks(everything_in_ranks, 4, backend, 10, 8, timeout=240)
+    results = run_ranks(everything_in_ranks, 4, backend, timeout=240)
     for group, check in (("ps", check_ps), ("sgd", check_sgd)):
         runs = {}
         for rank_out in results:
             for i, case, res in rank_out[group]:
                 runs.setdefault(i, (case, []))[1].append(res)
-        assert len(runs) == (10 if group == "ps" else 8), (group, len(runs))
+        assert len(runs) == len(PS_HARD if group == "ps" else SGD_HARD), (group, len(runs))
         for case, per_rank in runs.values():
             check(case, per_rank)
     check_converged([r["converge"] for r in results], 4)

@@ -320,26 +320,41 @@ def test_cp_bytes_with_experts_add_their_gradients():
 # ---- processes ------------------------------------------------------------------------------
 
 
-def train_properties_in_ranks(comm, max_examples: int) -> int:
-    """Hypothesis's layouts (dp x pp x tp), then dp 4 with ep 2, and dp 2 x cp 2: side by side on
-    two halves of a world of 8, one after the other on 4."""
+def hard_configs(world: int) -> list[TrainConfig]:
+    """The process tier's fixed cases (test_train_threads draws the sweep): every dimension of
+    a world of 8 (dp x pp x tp, then dp x ep x cp x pp with experts), then on 4 ranks the
+    schedules and ZeRO stages the 8-rank cases leave out; a world of 4 (gloo) adds ep and cp."""
+
+    def tiny(n_layers: int, **layout) -> TrainConfig:
+        m = layout.setdefault("microbatches", 2)
+        return TrainConfig(**layout, steps=2, batch=layout.get("dp", 1) * m, warmup=1,
+                           dtype="float64", seed=3, model=gpt.GPTConfig(
+                               seq_len=4, d_model=8, n_heads=4, d_ff=16, n_layers=n_layers,
+                               seed=5))  # fmt: skip
+
+    return [
+        *([tiny(2, dp=2, pp=2, tp=2, zero=2, schedule="1f1b", checkpointing=True)] * (world >= 8)),
+        tiny(2, dp=2, pp=2, zero=3, schedule="interleaved", chunks=2, microbatches=4),
+        tiny(1, pp=2, tp=2, schedule="zb", checkpointing=True),
+        *([TrainConfig(dp=2, ep=2, cp=2, pp=2, batch=4, model=MOE, **F64)] * (world >= 8)),
+        *([EP_CASE, CP_CASE] * (world < 8)),
+    ]
+
+
+def train_properties_in_ranks(comm) -> int:
     world_of = lambda config: config.layout.world_size  # noqa: E731
-    cases = configs(max_world=comm.world_size)
-    count = in_subworlds(comm, train_matches_one_process, cases, max_examples, world_of)
-    if comm.world_size == 8:
-        half = comm.split(comm.rank // 4)
-        train_matches_one_process(half, [EP_CASE, CP_CASE][comm.rank // 4])
-    else:
-        for config in (EP_CASE, CP_CASE):
-            train_matches_one_process(comm, config)
-    return count
+    cases, explicit = configs(max_world=comm.world_size), hard_configs(comm.world_size)
+    return in_subworlds(comm, train_matches_one_process, cases, 0, world_of, explicit)
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_train_processes(backend):
-    n = 8 if backend == "mpi" else 4  # gloo: a TCP group per split, slower to make
-    assert run_ranks(train_properties_in_ranks, n, backend, 4, timeout=300) == [4] * n
+    """The fixed hard cases over real processes: mpi on 8 (dp x pp x tp and dp x ep x cp x pp,
+    then two 4-rank cases), gloo on 4 (a TCP group per split, slower to make) with ep and cp."""
+    n = 8 if backend == "mpi" else 4
+    cases = len(hard_configs(n))
+    assert run_ranks(train_properties_in_ranks, n, backend, timeout=300) == [cases] * n
 
 
 @pytest.mark.processes

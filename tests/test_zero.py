@@ -23,7 +23,7 @@ from torch import nn
 
 from minidist.amp import BF16, FP16, FP32, LossScaler, Precision
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.testing import check_all, impl, rank_settings, run_ranks, run_threads, verdict
+from minidist.testing import check_all, impl, run_ranks, run_threads, verdict
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; reduction order differs from the single-process sum
 F64 = Precision(torch.float64, torch.float64, torch.float64)  # mixed precision, exactly
@@ -501,44 +501,117 @@ def test_overflow_comm_makes_every_group_skip_together(stage):
     assert run_threads(two_groups_one_overflow, 4, stage, False) == [[], [], [1], [1]]
 
 
-def zero_properties_in_ranks(
-    comm, max_examples: int, max_checkpoints: int, max_mixed: int
-) -> list[int]:
-    """Every property (training, checkpoints, mixed precision) in one launch: processes start
-    slowly."""
-    subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
+# the process tier's fixed cases (the threads tier draws the sweeps), (k, case) on k ranks:
+# each stage, both algorithms, buckets of one parameter and of a few, clipping hard, AdamW and
+# momentum, accumulation; re-sharding a checkpoint 4 -> 3 and 3 -> 4 ranks across stages;
+# mixed precision with a poisoned step, with master shards and with a scaler alone
+BASE = {"d": 4, "h": 5, "b": 3, "steps": 2, "units": "modules", "branch": "step"}
+HARD = [
+    (
+        4,
+        BASE
+        | {
+            "seed": 1,
+            "accum": 2,
+            "stage": 1,
+            "opt": "adamw",
+            "algorithm": "ring",
+            "bucket_bytes": 1,
+            "clip": 0.05,
+        },
+    ),
+    (
+        3,
+        BASE
+        | {
+            "seed": 2,
+            "accum": 1,
+            "stage": 2,
+            "opt": "momentum",
+            "algorithm": "library",
+            "bucket_bytes": 8 * 5,
+            "clip": None,
+            "branch": "data",
+        },
+    ),
+    (
+        4,
+        BASE
+        | {
+            "seed": 3,
+            "accum": 2,
+            "stage": 3,
+            "opt": "adam",
+            "algorithm": "ring",
+            "bucket_bytes": None,
+            "clip": 100.0,
+            "units": "blocks",
+        },
+    ),
+]
+CHECKPOINT_HARD = [
+    {
+        "ka": 4,
+        "kb": 3,
+        "sa": 3,
+        "sb": 1,
+        "k1": 2,
+        "k2": 1,
+        "d": 3,
+        "h": 5,
+        "b": 2,
+        "seed": 4,
+        "opt": "adamw",
+        "branch": "step",
+        "stage": 3,
+    },
+    {
+        "ka": 3,
+        "kb": 4,
+        "sa": 2,
+        "sb": 3,
+        "k1": 1,
+        "k2": 2,
+        "d": 4,
+        "h": 3,
+        "b": 1,
+        "seed": 5,
+        "opt": "momentum",
+        "branch": "step",
+        "stage": 3,
+    },
+]
+MIXED_HARD = [
+    (4, BASE | {"seed": 6, "steps": 4, "accum": 2, "stage": 3, "opt": "adamw",
+                "algorithm": "ring", "bucket_bytes": 1, "clip": 0.05, "log_scale": 24,
+                "interval": 2, "inject": (1, 2, 1), "masters": True}),
+    (3, BASE | {"seed": 7, "steps": 3, "accum": 1, "stage": 2, "opt": "sgd",
+                "algorithm": "library", "bucket_bytes": None, "clip": None, "log_scale": -3,
+                "interval": 1, "inject": (2, 0, 0), "masters": False}),
+]  # fmt: skip
+
+
+def zero_properties_in_ranks(comm) -> list[int]:
+    """Every property (training, checkpoints, mixed precision) in one launch, on its fixed
+    cases: processes start slowly."""
+    subs = {k: comm.split(int(comm.rank < k)) for k in (3, 4)}
     count = [0, 0, 0]
-
-    @rank_settings(max_examples)
-    @given(st.integers(1, comm.world_size), cases)
-    def prop(k, case):
-        count[0] += 1
-        if comm.rank < k:
-            zero_matches_single_process(subs[k], case)
-        comm.barrier()
-
-    @rank_settings(max_checkpoints)
-    @given(checkpoint_cases)
-    def checkpoints(case):
+    for i, (matches, hard) in enumerate(
+        [(zero_matches_single_process, HARD), (zero_mixed_matches_single_process, MIXED_HARD)]
+    ):
+        for k, case in hard:
+            count[2 * i] += 1
+            if comm.rank < k:
+                matches(subs[k], case)
+            comm.barrier()
+    for case in CHECKPOINT_HARD:
         count[1] += 1
         checkpoint_reshards(comm, case)
-
-    @rank_settings(max_mixed)
-    @given(st.integers(1, comm.world_size), mixed_cases)
-    def mixed(k, case):
-        count[2] += 1
-        if comm.rank < k:
-            zero_mixed_matches_single_process(subs[k], case)
-        comm.barrier()
-
-    prop()
-    checkpoints()
-    mixed()
     # the other ZeRO test files' properties, in this launch too: processes start slowly
     from test_zero3_units import units_properties_in_ranks
     from test_zero_groups import groups_properties_in_ranks
 
-    count += [units_properties_in_ranks(comm, 3), groups_properties_in_ranks(comm, 2)]
+    count += [units_properties_in_ranks(comm, 2), groups_properties_in_ranks(comm, 1)]
     # real bfloat16 reduce-scatters and all-gathers between processes (MPI has no bfloat16
     # sum: its backend reduces in torch); replicas stay bitwise identical
     got = zero_low_precision(comm, 3, "bf16-reduce", 0, steps=3)
@@ -551,8 +624,8 @@ def zero_properties_in_ranks(
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_zero_processes(backend):
     """Every property of test_zero, test_zero3_units and test_zero_groups, started once."""
-    got = run_ranks(zero_properties_in_ranks, 4, backend, 8, 4, 4, timeout=300)
-    assert got == [[8, 4, 4, 3, 2]] * 4
+    got = run_ranks(zero_properties_in_ranks, 4, backend, timeout=300)
+    assert got == [[len(HARD), len(CHECKPOINT_HARD), len(MIXED_HARD), 2, 1]] * 4
 
 
 # ---- consolidation and re-sharding --------------------------------------------------------

@@ -109,12 +109,21 @@ class _RequestWork:
     def describe(self) -> str:
         return describe(self.comm, self.what, self.seq, self.peer)
 
+    def cancel(self) -> None:
+        """Withdraw a receive that timed out: left posted, it would take a later message into
+        a buffer nobody holds, and keep MPI_Finalize waiting on it at exit."""
+        self.request.Cancel()
+        self.request.Wait()
+        self.done = True
+
     def wait(self) -> None:
         if self.is_completed():
             return
         try:
             poll_until(self.is_completed, self.comm.timeout, self.describe, self.stuck)
         except CommTimeout as e:
+            if self.status is not None:  # a receive: cancel it, as _other_dtype does
+                self.cancel()
             if self.tag is None:
                 raise
             sent = self.comm.unclaimed(self.peer)
@@ -202,8 +211,7 @@ class MPIComm(Blocking):
         for code in range(CODES):
             wire = tag * CODES + code
             if wire != mine and self.mpi_comm.Iprobe(src, wire, status):
-                work.request.Cancel()
-                work.request.Wait()
+                work.cancel()
                 size = DTYPES[code].itemsize if code < len(DTYPES) else 1
                 raise CommError(
                     f"{describe(self, f'recv(tag={tag})', work.seq, src)}: rank {src} sent "

@@ -1,15 +1,18 @@
-"""The main job on 4 ranks (dp=1, pp=2, tp=2); rank 2 is killed (SIGKILL) in its third step,
-in the middle of the pipeline, while the others wait on it."""
+"""The main job on 4 ranks (dp=1, pp=2, tp=2), at a small model's size (the drill is about
+dying, not training); rank 2 is killed (SIGKILL) in its third step, in the middle of the
+pipeline, while the others wait on it."""
 
 import os
 import signal
 
 import minidist
+from minidist.gpt.model import GPTConfig
 from minidist.gpt.train import TrainConfig, build_job, train_step
 from minidist.schedules import FORWARD
 
 comm = minidist.init()
-config = TrainConfig(pp=2, tp=2, microbatches=4, steps=10)
+model = GPTConfig(seq_len=16, d_model=16, n_heads=4, d_ff=32, n_layers=2)
+config = TrainConfig(pp=2, tp=2, microbatches=4, steps=10, batch=8, model=model)
 job = build_job(comm, config)
 original = job.stage.table[FORWARD]  # what the executor calls for a forward
 
