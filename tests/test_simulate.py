@@ -143,7 +143,9 @@ def job(comm, config):
 @pytest.mark.parametrize("zero", [0, 3])
 def test_the_3d_job_runs_unchanged(zero):
     model = GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=2)
-    config = TrainConfig(2, 2, 2, zero, microbatches=2, steps=2, batch=8, warmup=1, model=model)
+    config = TrainConfig(
+        dp=2, pp=2, tp=2, zero=zero, microbatches=2, steps=2, batch=8, warmup=1, model=model
+    )
     plain = run_threads(job, 8, config)
     report = simulate(job, H100, 8, config)
     assert report.results == plain
