@@ -6,9 +6,9 @@ Calibrates this machine from measurements only, none of them of a training step:
   links    alpha and B fitted to `minidist bench p2p --json` (cluster.calibrated);
   memory   a core's copy bandwidth: plan.step prices the elementwise work (elementwise_nbytes)
            and the optimizer (16 bytes a parameter, read and written) with it;
-  compute  a core's FLOP/s on the job's own layer: one toy TransformerBlock's forward and
-           backward at the layout's microbatch shape (b, s, h), cut over tp as a rank runs it
-           (tp ranks as threads), its FLOPs as plan.Shape counts them (the layer's matmuls, its
+  compute  a core's FLOP/s on the job's own layer: one toy block's forward and backward as
+           the job builds it (ParallelTransformerBlock, at tp = 1 too) at the layout's
+           microbatch shape (b, s, h), cut over tp as a rank runs it (tp ranks as threads), its FLOPs as plan.Shape counts them (the layer's matmuls, its
            attention scores; 1/tp of them) over a rank's CPU time less the elementwise bytes
            at the copy bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
            more than memory traffic on a CPU), torch's per-op overhead (about 17 us an op,
@@ -89,9 +89,10 @@ def layer_flops_rate(b: int, tp: int, memory_bw: float, repeats: int = 5) -> flo
 
 def _block_seconds(tp_comm, b: int, repeats: int) -> float:
     """This rank's median CPU seconds of its slice of a toy block, forward and backward."""
+    # the job's own block at every tp, 1 too: its f and g and parallel linears cost time even
+    # on one rank (a plain TransformerBlock put dp 2 at 0.68-0.74 of the measured step)
     block = TransformerBlock(SHAPE.hidden, SHAPE.heads, SHAPE.ffn)
-    if tp_comm.world_size > 1:
-        block = ParallelTransformerBlock.from_full(block, tp_comm)
+    block = ParallelTransformerBlock.from_full(block, tp_comm)
     x = torch.randn(b, SHAPE.seq, SHAPE.hidden, requires_grad=True)  # (b, s, h)
     with plan_cli._one_thread(torch):
         block(x).sum().backward()  # the first call allocates: not timed
