@@ -8,9 +8,10 @@ Calibrates this machine from measurements only, none of them of a training step:
            and the optimizer (16 bytes a parameter, read and written) with it;
   compute  a core's FLOP/s on the job's own layer: one toy block's forward and backward as
            the job builds it (ParallelTransformerBlock, at tp = 1 too) at the layout's
-           microbatch shape (b, s, h), cut over tp as a rank runs it (tp ranks as threads), its FLOPs as plan.Shape counts them (the layer's matmuls, its
-           attention scores; 1/tp of them) over a rank's CPU time less the elementwise bytes
-           at the copy bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
+           microbatch shape (b, s, h), cut over tp as a rank runs it (tp ranks as threads),
+           its FLOPs as plan.Shape counts them (the layer's matmuls, its attention scores;
+           1/tp of them) over a rank's CPU time less the elementwise bytes at the copy
+           bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
            more than memory traffic on a CPU), torch's per-op overhead (about 17 us an op,
            137 ops a whole block) and the smaller matmuls of a tp slice stays in that rate,
            which a bare matmul leaves out (a 256 x 256 matmul ran 20-60% faster a FLOP).
