@@ -20,9 +20,11 @@ Time per step (the slowest stage):
     compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
                   (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
                   again with full recompute (Narayanan et al., SC 2021, section 5.1); split
-                  over tp and pp; + the elementwise ops' bytes / memory bandwidth: 5 passes
-                  over the activations each layer keeps (7 with full recompute)
-    pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
+                  over tp, the layers over pp, the logits on the last stage (Dubey et al.,
+                  2024, section 3.3.2); + the elementwise ops' bytes / memory bandwidth: 5
+                  passes over the activations each layer keeps (7 with full recompute)
+    pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
+                  the fullest stage without the head (they fill and drain the pipe)
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
                   stage and 1 for the output layer (backward) on the last (both if pp = 1),
@@ -206,6 +208,23 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: 
     return sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
 
 
+def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
+    """Training FLOPs per token (a stage's tp ranks together) of the slowest stage and of the
+    fullest stage without the output layer: the layers' share of step_flops_per_token, and
+    on the last stage the head's 3 x 2 V h (not recomputed) beside what the ceil partition
+    leaves it. Dubey et al. (2024, section 3.3.2): the last stage computes the output and the
+    loss, which makes it the latency bottleneck; Megatron-LM puts the head there too. The
+    slowest stage sets the pace of the steady state, the others fill and drain the pipe."""
+    head = 3 * 2 * shape.vocab * shape.hidden
+    per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
+    first = stage_layers(shape, layout)
+    if layout.pp == 1:
+        return first * per_layer + head, first * per_layer + head
+    chunk = first // layout.v
+    last = first - chunk + max(0, shape.layers - (layout.pp * layout.v - 1) * chunk)
+    return max(first * per_layer, last * per_layer + head), first * per_layer
+
+
 def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
     """Bytes the fullest stage's non-matmul work (norms, GELU, softmax, dropout, residual adds)
     moves through memory per microbatch: each value a layer keeps for backward (without
@@ -241,17 +260,17 @@ def step(
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
-    flops = shape.step_flops_per_token(x.recompute)  # the logits apportioned like the layers
-    mb_flops = flops * s * x.b * layers / (shape.layers * x.tp)  # a microbatch, fullest stage
-    t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
-    t_mb += elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
+    rate = cluster.gpu.peak_flops * eff.compute
+    elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
+    slowest, fullest = (
+        f * s * x.b / x.tp / rate + elementwise for f in stage_flops_per_token(shape, x)
+    )
     slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
     net = replace(cluster, inter=slower)
     act = e * s * x.b * h  # bytes of one activation tensor
     tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
-    slot = t_mb + t_tp
     stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
     message = stage_link.latency + act / (x.tp if x.scatter else 1) / stage_link.bandwidth
     t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
@@ -264,11 +283,11 @@ def step(
     t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, e * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
     return {
-        "compute": m * t_mb,
-        "bubble": (x.pp - 1) / x.v * slot,
+        "compute": m * slowest,
+        "bubble": (x.pp - 1) / x.v * (fullest + t_tp),
         "tp": m * t_tp,
         "pp": t_pp,
-        "dp": max(0.0, t_dp - eff.overlap * window * m * t_mb),
+        "dp": max(0.0, t_dp - eff.overlap * window * m * slowest),
         "optimizer": optimizer,
     }
 
@@ -366,8 +385,8 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
 # 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
 CALIBRATED = {
-    "A100": Efficiency(compute=0.610, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.814, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.622, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.810, network=0.630, overlap=1.0),
 }
 
 
