@@ -385,7 +385,7 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
 # 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
 CALIBRATED = {
-    "A100": Efficiency(compute=0.622, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.639, network=0.630, overlap=1.0),
     "H100": Efficiency(compute=0.810, network=0.630, overlap=1.0),
 }
 

@@ -46,6 +46,15 @@ SOURCES = {
     ),
 }
 
+# Where the framework all-reduces the gradients only after the last microbatch's backward, so
+# none of that traffic hides behind compute (the ZeRO-3 rows excepted: DeepSpeed's ZeRO-3
+# gathers and reduce-scatters during the passes). Megatron-LM (n21, k22): train_step in
+# megatron/training.py runs forward_backward_func over every microbatch, then all-reduces
+# (allreduce_gradients of its local DistributedDataParallel). DeepSpeed's pipeline engine
+# (s22, b22, x22): TrainSchedule in deepspeed/runtime/pipe/schedule.py issues ReduceTiedGrads
+# and ReduceGrads after the last backward, then OptimizerStep.
+AFTER_FLUSH = ("n21", "k22", "s22", "b22", "x22")
+
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
     "L24h2304": (24, 2304, 24, 24, 9216, False, 51200, 2048),

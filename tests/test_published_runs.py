@@ -5,8 +5,9 @@ the step time of the published layout, and the error against what the source rep
 here (ERRORS, checked to 0.1%) so that a change to the formulas shows up as a change of numbers.
 Target: the median absolute error over the other runs at most 15%. Second check: among the
 layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO stage, flash
-attention; without model parallelism where the run had none), the planner ranks first the
-published layout or one predicted within 5% of it; RANKING pins the gap for every run.
+attention; without model parallelism where the run had none; its framework's overlap: none
+where gradients sync after the last microbatch, published.AFTER_FLUSH), the planner ranks
+first the published layout or one predicted within 5% of it; RANKING pins the gap for every run.
 `python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).
 """
 
@@ -59,10 +60,19 @@ def published_seconds(rid: str) -> float:
     return tokens * shape.step_flops_per_token("full") / (value * 1e12 * gpus)
 
 
+def efficiency_of(rid: str) -> plan.Efficiency:
+    """The calibrated efficiencies of the run's GPU; no overlap where its framework syncs
+    gradients only after the last microbatch (published.AFTER_FLUSH)."""
+    eff = plan.calibrated(cluster_of(rid))
+    row = published.RUNS[rid]
+    after = row[1] in published.AFTER_FLUSH and row[8] < 3
+    return replace(eff, overlap=0.0) if after else eff
+
+
 def predicted(rid: str, layout=None, eff=None) -> plan.Plan:
     row = published.RUNS[rid]
     c = cluster_of(rid)
-    eff = eff or plan.calibrated(c)
+    eff = eff or efficiency_of(rid)
     x = layout or layout_of(rid)
     return plan.evaluate(shape_of(rid), x, c, row[4], row[10], eff, flash=bool(row[13]))
 
@@ -86,7 +96,9 @@ def ranking_gap(rid: str) -> float:
     if ours.why_not:
         return float("inf")
     c = cluster_of(rid)
-    ok, _ = plan.search(shape_of(rid), c, row[4], row[10], flash=bool(row[13]), allowed=same)
+    ok, _ = plan.search(
+        shape_of(rid), c, row[4], row[10], efficiency_of(rid), bool(row[13]), allowed=same
+    )
     best = min([ours, *ok], key=lambda q: q.seconds)
     return ours.seconds / best.seconds - 1
 
@@ -96,61 +108,61 @@ OTHERS = [rid for rid in published.RUNS if rid not in CALIBRATION]
 INF = float("inf")
 # the planner's error on every run not used to calibrate it (predicted / reported - 1)
 ERRORS = {
-    "r00": -0.038,
-    "r01": -0.037,
-    "r02": -0.019,
-    "r03": -0.044,
-    "r04": -0.003,
-    "r05": -0.062,
-    "r07": -0.003,
-    "r08": 0.037,
-    "r09": 0.09,
+    "r00": 0.066,
+    "r01": 0.068,
+    "r02": 0.089,
+    "r03": -0.001,
+    "r04": 0.019,
+    "r05": -0.045,
+    "r07": -0.011,
+    "r08": 0.02,
+    "r09": 0.068,
     "r10": -0.184,
     "r11": -0.001,
     "r13": -0.21,
     "r14": 0.122,
     "r15": 0.1,
-    "r19": 0.063,
-    "r20": 0.067,
-    "r21": 0.071,
-    "r22": -0.079,
-    "r23": -0.005,
-    "r24": 0.02,
-    "r25": 0.059,
-    "r26": 0.111,
-    "r27": 0.143,
-    "r28": 0.176,
-    "r29": 0.185,
-    "r30": 0.074,
-    "r31": 0.113,
-    "r32": -0.139,
-    "r33": -0.15,
-    "r34": -0.177,
-    "r36": -0.064,
-    "r37": -0.199,
+    "r19": 0.038,
+    "r20": 0.045,
+    "r21": 0.053,
+    "r22": -0.098,
+    "r23": -0.023,
+    "r24": -0.003,
+    "r25": 0.035,
+    "r26": 0.085,
+    "r27": 0.116,
+    "r28": 0.147,
+    "r29": 0.156,
+    "r30": 0.059,
+    "r31": 0.095,
+    "r32": -0.152,
+    "r33": -0.162,
+    "r34": -0.186,
+    "r36": -0.079,
+    "r37": -0.205,
     "r39": 0.256,
     "r41": -0.224,
     "r42": -0.222,
     "r43": 1.882,
     "r44": -0.349,
-    "r45": 0.173,
-    "r46": 0.219,
-    "r47": 0.086,
+    "r45": 0.143,
+    "r46": 0.188,
+    "r47": 0.059,
     "r48": 0.134,
-    "r49": 0.155,
+    "r49": 0.126,
 }
 # the gap between the published layout and the planner's first with the same techniques; INF:
 # the planner's memory model does not fit the published layout (Llama 3: 73 GB of activations
 # by Korthikanti et al.'s count with sequence parallelism, where the run's own recipe fit 80 GB)
 RANKING = {
     "r00": 0.0,
-    "r01": 0.042,
-    "r02": 0.074,
-    "r03": 0.097,
-    "r04": 0.149,
+    "r01": 0.058,
+    "r02": 0.036,
+    "r03": 0.095,
+    "r04": 0.144,
     "r05": 0.037,
     "r06": 0.033,
-    "r07": 0.027,
+    "r07": 0.021,
     "r08": 0.0,
     "r09": 0.046,
     "r10": 0.0,
@@ -160,10 +172,10 @@ RANKING = {
     "r14": 0.0,
     "r15": 0.0,
     "r19": 0.0,
-    "r20": 0.004,
-    "r21": 0.029,
+    "r20": 0.002,
+    "r21": 0.026,
     "r22": 0.0,
-    "r23": 0.038,
+    "r23": 0.041,
     "r24": 0.005,
     "r25": 0.006,
     "r26": 0.0,
@@ -172,11 +184,11 @@ RANKING = {
     "r29": 0.046,
     "r30": 0.0,
     "r31": 0.0,
-    "r32": 0.055,
+    "r32": 0.014,
     "r33": 0.0,
-    "r34": 0.059,
-    "r36": 0.046,
-    "r37": 0.102,
+    "r34": 0.012,
+    "r36": 0.043,
+    "r37": 0.08,
     "r38": INF,
     "r39": INF,
     "r41": 0.0,
@@ -209,7 +221,7 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
     # the planner prefers less tensor and more pipeline parallelism than Megatron-LM chose for
     # 7.5-39B (its compute efficiency does not fall with smaller matmuls); Llama 3: see RANKING
-    assert misses == ["r02", "r03", "r04", "r32", "r34", "r37", "r38", "r39"], misses
+    assert misses == ["r01", "r03", "r04", "r37", "r38", "r39"], misses
 
 
 def table() -> str:
