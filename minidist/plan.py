@@ -17,12 +17,13 @@ Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam)
                   min(pp, m) microbatches of L/pp layers, x (1 + (pp-1)/(pp v)) interleaved
                   (Narayanan et al., SC 2021, section 2.2.2).
 Time per step (the slowest stage):
-    compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
-                  (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
-                  again with full recompute (Narayanan et al., SC 2021, section 5.1); split
-                  over tp, the layers over pp, the logits on the last stage (Dubey et al.,
-                  2024, section 3.3.2); + the elementwise ops' bytes / memory bandwidth: 5
-                  passes over the activations each layer keeps (7 with full recompute)
+    compute       FLOPs / (peak x efficiency x matmul_share: what tile and wave quantization
+                  leave of the rate); a token's forward is 2 Psi_matmul + 4 s h L (attention
+                  scores) + 2 V h (logits), training 3x that, + the layers' forward again with
+                  full recompute (Narayanan et al., SC 2021, section 5.1); split over tp, the
+                  layers over pp, the logits on the last stage (Dubey et al., 2024, section
+                  3.3.2); + the elementwise ops' bytes / memory bandwidth: 5 passes over the
+                  activations each layer keeps (7 with full recompute)
     pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
                   the fullest stage without the head (they fill and drain the pipe)
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
@@ -46,8 +47,9 @@ Run: minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
-from minidist.cluster import Cluster, ring_all_reduce_seconds
+from minidist.cluster import Cluster, ring_all_reduce_seconds, wave_share
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,19 @@ def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
     return max(first * per_layer, last * per_layer + head), first * per_layer
 
 
+def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
+    """The share of the matmul rate a layer's products reach on one tp rank after tile and
+    wave quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), the
+    attention's output (h/t -> h), the MLP's up (h -> f/t, twice if gated) and down (f/t -> h).
+    step() applies it to all of a stage's FLOPs (the logits and the attention scores are
+    large products: a simplification)."""
+    h, t, f = shape.hidden, layout.tp, shape.ffn
+    kv = h * (shape.kv_heads or shape.heads) // shape.heads
+    up = f * (2 if shape.glu else 1)
+    products = [(h, (h + 2 * kv) // t), (h // t, h), (h, up // t), (f // t, h)]
+    return wave_share(gpu, shape.seq * layout.b, products)
+
+
 def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
     """Bytes the fullest stage's non-matmul work (norms, GELU, softmax, dropout, residual adds)
     moves through memory per microbatch: each value a layer keeps for backward (without
@@ -234,12 +249,6 @@ def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int 
     kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
     passes = 7 if layout.recompute == "full" else 5
     return passes * kept * stage_layers(shape, layout)
-
-
-def _over(cluster: Cluster, stride: int) -> Cluster:
-    """The cluster as seen by a group of ranks placed stride apart: g / stride of them on a
-    node (at least 1)."""
-    return replace(cluster, gpus_per_node=max(1, cluster.gpus_per_node // stride))
 
 
 def step(
@@ -260,7 +269,7 @@ def step(
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
-    rate = cluster.gpu.peak_flops * eff.compute
+    rate = cluster.gpu.peak_flops * eff.compute * matmul_share(shape, x, cluster.gpu)
     elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
     slowest, fullest = (
         f * s * x.b / x.tp / rate + elementwise for f in stage_flops_per_token(shape, x)
@@ -279,7 +288,8 @@ def step(
     # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
     window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
-    dp_group = _over(net, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
+    # dp peers sit tp x pp ranks apart: g / (tp pp) of them on a node (at least 1)
+    dp_group = replace(net, gpus_per_node=max(1, net.gpus_per_node // (x.tp * x.pp)))
     t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, e * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
     return {
@@ -353,12 +363,9 @@ def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
 
 
 def _options(tp: int):
-    for v in (1, 2, 4):
-        for zero in (0, 1, 2, 3):
-            for b in (1, 2, 4, 8):
-                for recompute in ("none", "selective", "full"):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        yield v, zero, b, recompute, sp
+    """(v, zero, b, recompute, sp) for every layout of this tp."""
+    sps = (False, True) if tp > 1 else (False,)
+    return product((1, 2, 4), (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"), sps)
 
 
 def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> tuple[list, list]:
@@ -371,13 +378,6 @@ def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> t
     return ok, [q for q in plans if q.why_not]
 
 
-def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -> float:
-    """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
-    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
-    model = 3 * shape.forward_flops_per_token() * batch * shape.seq
-    return model / (seconds * gpus * cluster.gpu.peak_flops)
-
-
 # Fitted on three published runs (tests/published_runs.py) and checked on every other one
 # (tests/test_published_runs.py). compute: the A100's on Megatron-LM's 145.6B on 1536 A100s
 # (r06: Narayanan et al., SC 2021, table 1), Hopper's on Llama 3 405B on 8,192 H100s (r38:
@@ -385,8 +385,8 @@ def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
 # 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
 CALIBRATED = {
-    "A100": Efficiency(compute=0.639, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.810, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.684, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.835, network=0.630, overlap=1.0),
 }
 
 

@@ -75,7 +75,11 @@ def test_activations_are_korthikantis_table_2(recompute, sp, constant):
 def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     x = plan.Layout(dp=1, pp=pp, tp=1, v=v)
     parts = plan.step(GPT3, x, A100, batch=m, eff=plan.Efficiency(compute=0.5))
-    rate, s, h = A100.gpu.peak_flops * 0.5, GPT3.seq, GPT3.hidden
+    rate, s, h = (
+        A100.gpu.peak_flops * 0.5 * plan.matmul_share(GPT3, x, A100.gpu),
+        GPT3.seq,
+        GPT3.hidden,
+    )
     memory = plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
     layers = 3 * (2 * GPT3.layer_params() + 4 * s * h) * GPT3.layers // pp  # a stage's, a token
     head = 3 * 2 * GPT3.vocab * h  # on the last stage, which sets the pace

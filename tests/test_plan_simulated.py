@@ -7,7 +7,8 @@ FLOP. Both are deterministic, so the ratio is pinned.
 The cluster is a DGX H100 slowed down so that the toy sits where large runs sit: its links
 10^4 times slower (a 4 KB activation is to the latency what GPT-3's 50 MB is on the real links),
 its GPUs 10^5 times slower (compute dominates), and memory bandwidth unbounded (the simulator
-charges FLOPs only, so the plan's optimizer term is left out). The toy trains in float32: e=4.
+charges FLOPs only, so the plan's optimizer term is left out; and at one rate, whatever a
+matmul's shape: sms=0, no tile or wave quantization). The toy trains in float32: e=4.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from minidist.simulate import simulate
 H100 = cluster.preset("dgx-h100")
 SLOW = replace(
     H100,
-    gpu=replace(H100.gpu, peak_flops=H100.gpu.peak_flops / 1e5, memory_bw=float("inf")),
+    gpu=replace(H100.gpu, peak_flops=H100.gpu.peak_flops / 1e5, memory_bw=float("inf"), sms=0),
     intra=replace(H100.intra, bandwidth=H100.intra.bandwidth / 1e4),
     inter=replace(H100.inter, bandwidth=H100.inter.bandwidth / 1e4),
 )
