@@ -30,8 +30,10 @@ Time per step (the slowest stage):
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
                   stage and 1 for the output layer (backward) on the last (both if pp = 1),
                   on the node's links if tp <= g, else on the network
-    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (s b h
-                  without Megatron-LM's scatter/gather, as minidist's pipeline sends them)
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages, on the
+                  network if the stages span nodes, all-gathered over tp on arrival (Megatron-
+                  LM's scatter/gather: Narayanan et al., section 4.1); s b h, not gathered, as
+                  minidist's pipeline sends them
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
 Bytes each rank sends per dimension: sent_nbytes (tests/test_plan_measured.py: equal to what
@@ -110,9 +112,8 @@ SHAPES = {
 @dataclass(frozen=True)
 class Layout:
     """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
-    microbatch size b, recompute (none | selective | full), sequence parallelism; scatter:
-    each tp rank sends its 1/tp of an activation to the next stage, which all-gathers it
-    (Megatron-LM's scatter/gather; minidist's pipeline sends the whole activation)."""
+    microbatch size b, recompute (none | selective | full), sequence parallelism, scatter (a
+    tp rank sends 1/tp of an activation on, the next stage all-gathers; minidist sends all)."""
 
     dp: int
     pp: int
@@ -130,11 +131,11 @@ class Layout:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """What the formulas cannot know: the fraction of peak FLOP/s the matmuls reach, of the
-    network's bandwidth the collectives reach, and of the window in which data-parallel
-    traffic hides behind compute (backward, 2/3 of the compute, for gradients; all of it for
-    ZeRO-3, which gathers parameters ahead of forward too): exposed = max(0, t_dp - overlap x
-    window). Calibrated on published runs (CALIBRATED, tests/published_runs.py)."""
+    """What the formulas cannot know: the fraction of peak FLOP/s matmuls reach when their tiles
+    fill the SMs (matmul_share takes the rest off), of the network's bandwidth the collectives
+    reach, of the window in which data-parallel traffic hides behind compute (backward, 2/3
+    of the compute, for gradients; all of it for ZeRO-3, which gathers parameters ahead of
+    forward too): exposed = max(0, t_dp - overlap x window). Calibrated: CALIBRATED."""
 
     compute: float = 0.5
     network: float = 1.0
@@ -183,10 +184,9 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     layers = stage_layers(shape, x)
     ends = 2 if x.pp == 1 else 1  # the first stage: the embedding; and the output layer if pp = 1
     psi = (layers * shape.layer_params() + ends * shape.vocab * h) / x.tp
-    if e == 2:
-        per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
-    else:
-        per_param = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}[x.zero]
+    mixed = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
+    fp32 = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}
+    per_param = (mixed if e == 2 else fp32)[x.zero]
     if x.recompute == "full":
         per_layer = shape.seq * x.b * h * e / (x.tp if x.sp else 1)  # 2 s b h 2-byte values
     else:
@@ -211,28 +211,26 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: 
 
 
 def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
-    """Training FLOPs per token (a stage's tp ranks together) of the slowest stage and of the
-    fullest stage without the output layer: the layers' share of step_flops_per_token, and
-    on the last stage the head's 3 x 2 V h (not recomputed) beside what the ceil partition
-    leaves it. Dubey et al. (2024, section 3.3.2): the last stage computes the output and the
-    loss, which makes it the latency bottleneck; Megatron-LM puts the head there too. The
-    slowest stage sets the pace of the steady state, the others fill and drain the pipe."""
+    """Training FLOPs per token (all tp ranks) of the slowest stage, which sets the pace, and
+    of the fullest without the head, like those that fill and drain the pipe: the layers'
+    share of step_flops_per_token; the last stage, with what the ceil partition leaves it,
+    also runs the head's 3 x 2 V h (not recomputed), which makes it the latency bottleneck
+    (Dubey et al., 2024, section 3.3.2; Megatron-LM puts the head there too)."""
     head = 3 * 2 * shape.vocab * shape.hidden
     per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
     first = stage_layers(shape, layout)
-    if layout.pp == 1:
-        return first * per_layer + head, first * per_layer + head
     chunk = first // layout.v
+    if layout.pp == 1:
+        return (first * per_layer + head,) * 2
     last = first - chunk + max(0, shape.layers - (layout.pp * layout.v - 1) * chunk)
     return max(first * per_layer, last * per_layer + head), first * per_layer
 
 
 def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
-    """The share of the matmul rate a layer's products reach on one tp rank after tile and
-    wave quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), the
-    attention's output (h/t -> h), the MLP's up (h -> f/t, twice if gated) and down (f/t -> h).
-    step() applies it to all of a stage's FLOPs (the logits and the attention scores are
-    large products: a simplification)."""
+    """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
+    quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), out (h/t -> h),
+    up (h -> f/t, twice if gated), down (f/t -> h). step() applies it to all of a stage's
+    FLOPs (the logits and attention scores are large products too: a simplification)."""
     h, t, f = shape.hidden, layout.tp, shape.ffn
     kv = h * (shape.kv_heads or shape.heads) // shape.heads
     up = f * (2 if shape.glu else 1)
@@ -280,8 +278,10 @@ def step(
     tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
-    stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
-    message = stage_link.latency + act / (x.tp if x.scatter else 1) / stage_link.bandwidth
+    hop = net.link(0, (x.pp - 1) * x.tp)  # the slowest: the network if the stages span nodes
+    message = hop.latency + act / (x.tp if x.scatter else 1) / hop.bandwidth
+    if x.scatter:  # the receiving stage all-gathers the tp pieces (half an all-reduce)
+        message += tp_ar / 2
     t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
     psi_g = psi or shape.params() / (x.pp * x.tp)
     # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
@@ -310,7 +310,8 @@ def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float
     tp   m (4 L_s + 1) all-reduces of an activation (6 L_s + 1 with full recompute; + 1 for
          the output layer if pp = 1)
     pp   m v activations on and m (v-1) gradients back (chunk 0 of the first stage gets none),
-         each 1/tp of the activation with scatter
+         each 1/tp of the activation with scatter (then the m (2v - 1) it receives are each
+         all-gathered on the tp links: (tp-1)/tp of an activation sent)
     dp   step()'s rounds of all-reduces of e psi bytes"""
     x, m, act = layout, layout.microbatches(batch), e * shape.seq * layout.b * shape.hidden
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731
@@ -318,6 +319,7 @@ def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float
     ends = 2 if x.pp == 1 else 1
     tp = m * (layers * (6 if x.recompute == "full" else 4) + ends) * act * ring(x.tp)
     pp = m * (2 * x.v - 1) * act / (x.tp if x.scatter else 1) if x.pp > 1 else 0
+    tp += m * (2 * x.v - 1) * act * ring(x.tp) / 2 if x.scatter and x.pp > 1 else 0
     psi = psi or (layers * shape.layer_params() + ends * shape.vocab * shape.hidden) / x.tp
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
     return {"dp": rounds * ring(x.dp) * e * psi, "pp": pp, "tp": tp}
@@ -383,10 +385,11 @@ def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> t
 # (r06: Narayanan et al., SC 2021, table 1), Hopper's on Llama 3 405B on 8,192 H100s (r38:
 # Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536 A100s (r12: Narayanan et
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
-# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
+# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it
+# (the test sets 0 for frameworks that sync gradients after the last microbatch).
 CALIBRATED = {
-    "A100": Efficiency(compute=0.684, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.835, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.686, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.838, network=0.630, overlap=1.0),
 }
 
 
