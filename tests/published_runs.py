@@ -54,6 +54,10 @@ SOURCES = {
 # (s22, b22, x22): TrainSchedule in deepspeed/runtime/pipe/schedule.py issues ReduceTiedGrads
 # and ReduceGrads after the last backward, then OptimizerStep.
 AFTER_FLUSH = ("n21", "k22", "s22", "b22", "x22")
+# Whose pipelines have no interleaved schedule (v = 1 only): DeepSpeed's pipeline engine
+# trains with TrainSchedule, plain 1F1B (deepspeed/runtime/pipe/schedule.py holds it and the
+# inference schedule, nothing interleaved).
+NO_INTERLEAVING = ("s22", "b22", "x22")
 
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {

@@ -6,7 +6,8 @@ here (ERRORS, checked to 0.1%) so that a change to the formulas shows up as a ch
 Target: the median absolute error over the other runs at most 15%. Second check: among the
 layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO stage, flash
 attention; without model parallelism where the run had none; its framework's overlap: none
-where gradients sync after the last microbatch, published.AFTER_FLUSH), the planner ranks
+where gradients sync after the last microbatch, published.AFTER_FLUSH; no interleaving where
+its pipeline has none, published.NO_INTERLEAVING), the planner ranks
 first the published layout or one predicted within 5% of it; RANKING pins the gap for every run.
 `python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).
 """
@@ -90,7 +91,8 @@ def ranking_gap(rid: str) -> float:
     def same(x: plan.Layout) -> bool:
         techniques = (x.recompute, x.sp, x.zero) == (mine.recompute, mine.sp, mine.zero)
         model_parallel = mine.tp * mine.pp > 1 or x.tp * x.pp == 1
-        return techniques and model_parallel
+        schedule = x.v == 1 or row[1] not in published.NO_INTERLEAVING
+        return techniques and model_parallel and schedule
 
     ours = predicted(rid)
     if ours.why_not:
@@ -188,7 +190,7 @@ RANKING = {
     "r33": 0.0,
     "r34": 0.013,
     "r36": 0.006,
-    "r37": 0.056,
+    "r37": 0.044,
     "r38": INF,
     "r39": INF,
     "r41": 0.0,
@@ -221,7 +223,7 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
     # the planner prefers less tensor and more pipeline parallelism than Megatron-LM chose for
     # 7.5-39B (its compute efficiency does not fall with smaller matmuls); Llama 3: see RANKING
-    assert misses == ["r03", "r04", "r37", "r38", "r39"], misses
+    assert misses == ["r03", "r04", "r38", "r39"], misses
 
 
 def table() -> str:
