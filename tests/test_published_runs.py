@@ -66,7 +66,7 @@ def efficiency_of(rid: str) -> plan.Efficiency:
     gradients only after the last microbatch (published.AFTER_FLUSH)."""
     eff = plan.calibrated(cluster_of(rid))
     row = published.RUNS[rid]
-    after = row[1] in published.AFTER_FLUSH and row[8] < 3
+    after = row[1] in published.AFTER_FLUSH and row[8] < 3 and rid not in published.TORCH_DDP
     return replace(eff, overlap=0.0) if after else eff
 
 
@@ -110,10 +110,10 @@ OTHERS = [rid for rid in published.RUNS if rid not in CALIBRATION]
 INF = float("inf")
 # the planner's error on every run not used to calibrate it (predicted / reported - 1)
 ERRORS = {
-    "r00": 0.039,
-    "r01": 0.053,
-    "r02": 0.071,
-    "r03": -0.005,
+    "r00": -0.084,
+    "r01": -0.07,
+    "r02": -0.057,
+    "r03": -0.067,
     "r04": 0.01,
     "r05": -0.066,
     "r07": -0.016,
@@ -158,9 +158,9 @@ ERRORS = {
 # by Korthikanti et al.'s count with sequence parallelism, where the run's own recipe fit 80 GB)
 RANKING = {
     "r00": 0.0,
-    "r01": 0.029,
-    "r02": 0.0,
-    "r03": 0.082,
+    "r01": 0.059,
+    "r02": 0.086,
+    "r03": 0.088,
     "r04": 0.121,
     "r05": 0.022,
     "r06": 0.014,
@@ -223,7 +223,7 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
     # the planner prefers less tensor and more pipeline parallelism than Megatron-LM chose for
     # 7.5-39B (its compute efficiency does not fall with smaller matmuls); Llama 3: see RANKING
-    assert misses == ["r03", "r04", "r38", "r39"], misses
+    assert misses == ["r01", "r02", "r03", "r04", "r38", "r39"], misses
 
 
 def table() -> str:
