@@ -1,13 +1,14 @@
 """Planning a large run: which layouts fit, how long a step takes, and why, from formulas.
 
 Equals: nothing runs here; every number is a formula of the model's shape, the layout and the
-cluster (cluster.py), each stated below with its source. tests/test_plan.py checks the
-formulas against this project's own code where they overlap (bytes and memory) and against
-published large runs (tests/published_runs.py), with the calibration named there.
+cluster (cluster.py), each stated below with its source; tests/test_plan*.py check them against
+minidist's own code (bytes, memory) and tests/test_published_runs.py against published runs.
 Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam):
-    model state   16 Psi_g (stage 0), 4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3)
-                  bytes per parameter (Rajbhandari et al., SC 2020, section 3.1); Psi_g of
-                  the first stage: its layers and the embedding (and the output layer if pp = 1);
+    model state   4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3) bytes per parameter
+                  (Rajbhandari et al., SC 2020, section 3.1); without ZeRO 20, the paper's 16
+                  and the float32 copy of the gradients Megatron-LM's optimizer steps on (its
+                  docs: 20 for fp16 parameters and gradients); Psi_g of the first stage: its
+                  layers and the embedding (and the output layer if pp = 1);
                   float32 (e = 4): 16, 8 + 12/dp, 4 + 16/dp, 20/dp (ZeRO keeps a float32
                   master, as minidist's does); ZeRO-3 also one layer's gathered parameters
     activations   per layer and microbatch of b sequences of s tokens (Korthikanti et al.,
@@ -30,10 +31,9 @@ Time per step (the slowest stage):
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
                   stage and 1 for the output layer (backward) on the last (both if pp = 1),
                   on the node's links if tp <= g, else on the network
-    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages, on the
-                  network if the stages span nodes, all-gathered over tp on arrival (Megatron-
-                  LM's scatter/gather: Narayanan et al., section 4.1); s b h, not gathered, as
-                  minidist's pipeline sends them
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (on the
+                  network if they span nodes), all-gathered over tp on arrival (Narayanan et
+                  al., section 4.1); s b h, not gathered, as minidist's pipeline sends them
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
 Bytes each rank sends per dimension: sent_nbytes (tests/test_plan_measured.py: equal to what
@@ -184,7 +184,7 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     layers = stage_layers(shape, x)
     ends = 2 if x.pp == 1 else 1  # the first stage: the embedding; and the output layer if pp = 1
     psi = (layers * shape.layer_params() + ends * shape.vocab * h) / x.tp
-    mixed = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
+    mixed = {0: 20, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
     fp32 = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}
     per_param = (mixed if e == 2 else fp32)[x.zero]
     if x.recompute == "full":

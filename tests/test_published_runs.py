@@ -158,13 +158,13 @@ ERRORS = {
 # by Korthikanti et al.'s count with sequence parallelism, where the run's own recipe fit 80 GB)
 RANKING = {
     "r00": 0.0,
-    "r01": 0.059,
-    "r02": 0.086,
+    "r01": 0.0,
+    "r02": 0.0,
     "r03": 0.088,
     "r04": 0.121,
     "r05": 0.022,
     "r06": 0.014,
-    "r07": 0.019,
+    "r07": 0.0,
     "r08": 0.0,
     "r09": 0.042,
     "r10": 0.0,
@@ -223,7 +223,7 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
     # the planner prefers less tensor and more pipeline parallelism than Megatron-LM chose for
     # 7.5-39B (its compute efficiency does not fall with smaller matmuls); Llama 3: see RANKING
-    assert misses == ["r01", "r02", "r03", "r04", "r38", "r39"], misses
+    assert misses == ["r03", "r04", "r38", "r39"], misses
 
 
 def table() -> str:
