@@ -261,7 +261,7 @@ def step(
 ) -> dict:
     """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
     e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
-    is a roofline's two sides: the matmuls' FLOPs at peak x efficiency, the rest of the work
+    is a roofline's two sides: the FLOPs at peak x efficiency x matmul_share, the rest of the work
     (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
     (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model)."""
     x, h, s = layout, shape.hidden, shape.seq

@@ -22,6 +22,7 @@ Communication (p ranks on n nodes of g GPUs, rank r on node r // g; N bytes):
                              2 (g-1) (a_in + N/(g B_in)) + 2 (n-1) (a_out + N/(g n B_out))
 Bytes each rank sends: flat ring 2 (p-1)/p N (on the network if its right neighbour is on
 another node); hierarchical 2 (g-1)/g N inside the node and 2 (n-1)/n N/g across.
+Matmuls: the share of peak their 256 x 128 output tiles keep in waves over the SMs (wave_share).
 Ladder: the data (GPU, Link, Cluster, presets) -> the cost of one message (message_seconds)
 -> collectives on a topology (ring_seconds: any ring of ranks; ring, tree, hierarchical
 all-reduce) -> calibrated(): this machine from `minidist bench p2p --json`.
