@@ -1,13 +1,14 @@
 """Planning a large run: which layouts fit, how long a step takes, and why, from formulas.
 
 Equals: nothing runs here; every number is a formula of the model's shape, the layout and the
-cluster (cluster.py), each stated below with its source. tests/test_plan.py checks the
-formulas against this project's own code where they overlap (bytes and memory) and against
-published large runs (tests/published_runs.py), with the calibration named there.
+cluster (cluster.py), each stated below with its source; tests/test_plan*.py check them against
+minidist's own code (bytes, memory) and tests/test_published_runs.py against published runs.
 Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam):
-    model state   16 Psi_g (stage 0), 4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3)
-                  bytes per parameter (Rajbhandari et al., SC 2020, section 3.1); Psi_g of
-                  the first stage: its layers and the embedding (and the output layer if pp = 1);
+    model state   4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3) bytes per parameter
+                  (Rajbhandari et al., SC 2020, section 3.1); without ZeRO 20, the paper's 16
+                  and the float32 copy of the gradients Megatron-LM's optimizer steps on (its
+                  docs: 20 for fp16 parameters and gradients); Psi_g of the first stage: its
+                  layers and the embedding (and the output layer if pp = 1);
                   float32 (e = 4): 16, 8 + 12/dp, 4 + 16/dp, 20/dp (ZeRO keeps a float32
                   master, as minidist's does); ZeRO-3 also one layer's gathered parameters
     activations   per layer and microbatch of b sequences of s tokens (Korthikanti et al.,
@@ -17,18 +18,22 @@ Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam)
                   min(pp, m) microbatches of L/pp layers, x (1 + (pp-1)/(pp v)) interleaved
                   (Narayanan et al., SC 2021, section 2.2.2).
 Time per step (the slowest stage):
-    compute       FLOPs / (peak x efficiency); a token's forward is 2 Psi_matmul + 4 s h L
-                  (attention scores) + 2 V h (logits), training 3x that, + the layers' forward
-                  again with full recompute (Narayanan et al., SC 2021, section 5.1); split
-                  over tp and pp; + the elementwise ops' bytes / memory bandwidth: 5 passes
-                  over the activations each layer keeps (7 with full recompute)
-    pipeline      (m + (pp-1)/v) microbatch slots: the bubble is (pp-1)/v of them
+    compute       FLOPs / (peak x efficiency x matmul_share: what tile and wave quantization
+                  leave of the rate); a token's forward is 2 Psi_matmul + 4 s h L (attention
+                  scores) + 2 V h (logits), training 3x that, + the layers' forward again with
+                  full recompute (Narayanan et al., SC 2021, section 5.1); split over tp, the
+                  layers over pp, the logits on the last stage (Dubey et al., 2024, section
+                  3.3.2); + the elementwise ops' bytes / memory bandwidth: 5 passes over the
+                  activations each layer keeps (7 with full recompute)
+    pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
+                  the fullest stage without the head (they fill and drain the pipe)
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
                   stage and 1 for the output layer (backward) on the last (both if pp = 1),
                   on the node's links if tp <= g, else on the network
-    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (s b h
-                  without Megatron-LM's scatter/gather, as minidist's pipeline sends them)
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (on the
+                  network if they span nodes), all-gathered over tp on arrival (Narayanan et
+                  al., section 4.1); s b h, not gathered, as minidist's pipeline sends them
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
 Bytes each rank sends per dimension: sent_nbytes (tests/test_plan_measured.py: equal to what
@@ -44,8 +49,9 @@ Run: minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
-from minidist.cluster import Cluster, ring_all_reduce_seconds
+from minidist.cluster import Cluster, ring_all_reduce_seconds, wave_share
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,8 @@ SHAPES = {
 @dataclass(frozen=True)
 class Layout:
     """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
-    microbatch size b, recompute (none | selective | full), sequence parallelism; scatter:
-    each tp rank sends its 1/tp of an activation to the next stage, which all-gathers it
-    (Megatron-LM's scatter/gather; minidist's pipeline sends the whole activation)."""
+    microbatch size b, recompute (none | selective | full), sequence parallelism, scatter (a
+    tp rank sends 1/tp of an activation on, the next stage all-gathers; minidist sends all)."""
 
     dp: int
     pp: int
@@ -126,11 +131,11 @@ class Layout:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """What the formulas cannot know: the fraction of peak FLOP/s the matmuls reach, of the
-    network's bandwidth the collectives reach, and of the window in which data-parallel
-    traffic hides behind compute (backward, 2/3 of the compute, for gradients; all of it for
-    ZeRO-3, which gathers parameters ahead of forward too): exposed = max(0, t_dp - overlap x
-    window). Calibrated on published runs (CALIBRATED, tests/published_runs.py)."""
+    """What the formulas cannot know: the fraction of peak FLOP/s matmuls reach when their tiles
+    fill the SMs (matmul_share takes the rest off), of the network's bandwidth the collectives
+    reach, of the window in which data-parallel traffic hides behind compute (backward, 2/3
+    of the compute, for gradients; all of it for ZeRO-3, which gathers parameters ahead of
+    forward too): exposed = max(0, t_dp - overlap x window). Calibrated: CALIBRATED."""
 
     compute: float = 0.5
     network: float = 1.0
@@ -179,10 +184,9 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     layers = stage_layers(shape, x)
     ends = 2 if x.pp == 1 else 1  # the first stage: the embedding; and the output layer if pp = 1
     psi = (layers * shape.layer_params() + ends * shape.vocab * h) / x.tp
-    if e == 2:
-        per_param = {0: 16, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}[x.zero]
-    else:
-        per_param = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}[x.zero]
+    mixed = {0: 20, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
+    fp32 = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}
+    per_param = (mixed if e == 2 else fp32)[x.zero]
     if x.recompute == "full":
         per_layer = shape.seq * x.b * h * e / (x.tp if x.sp else 1)  # 2 s b h 2-byte values
     else:
@@ -206,6 +210,34 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: 
     return sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
 
 
+def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
+    """Training FLOPs per token (all tp ranks) of the slowest stage, which sets the pace, and
+    of the fullest without the head, like those that fill and drain the pipe: the layers'
+    share of step_flops_per_token; the last stage, with what the ceil partition leaves it,
+    also runs the head's 3 x 2 V h (not recomputed), which makes it the latency bottleneck
+    (Dubey et al., 2024, section 3.3.2; Megatron-LM puts the head there too)."""
+    head = 3 * 2 * shape.vocab * shape.hidden
+    per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
+    first = stage_layers(shape, layout)
+    chunk = first // layout.v
+    if layout.pp == 1:
+        return (first * per_layer + head,) * 2
+    last = first - chunk + max(0, shape.layers - (layout.pp * layout.v - 1) * chunk)
+    return max(first * per_layer, last * per_layer + head), first * per_layer
+
+
+def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
+    """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
+    quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), out (h/t -> h),
+    up (h -> f/t, twice if gated), down (f/t -> h). step() applies it to all of a stage's
+    FLOPs (the logits and attention scores are large products too: a simplification)."""
+    h, t, f = shape.hidden, layout.tp, shape.ffn
+    kv = h * (shape.kv_heads or shape.heads) // shape.heads
+    up = f * (2 if shape.glu else 1)
+    products = [(h, (h + 2 * kv) // t), (h // t, h), (h, up // t), (f // t, h)]
+    return wave_share(gpu, shape.seq * layout.b, products)
+
+
 def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
     """Bytes the fullest stage's non-matmul work (norms, GELU, softmax, dropout, residual adds)
     moves through memory per microbatch: each value a layer keeps for backward (without
@@ -215,12 +247,6 @@ def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int 
     kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
     passes = 7 if layout.recompute == "full" else 5
     return passes * kept * stage_layers(shape, layout)
-
-
-def _over(cluster: Cluster, stride: int) -> Cluster:
-    """The cluster as seen by a group of ranks placed stride apart: g / stride of them on a
-    node (at least 1)."""
-    return replace(cluster, gpus_per_node=max(1, cluster.gpus_per_node // stride))
 
 
 def step(
@@ -235,40 +261,43 @@ def step(
 ) -> dict:
     """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
     e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
-    is a roofline's two sides: the matmuls' FLOPs at peak x efficiency, the rest of the work
+    is a roofline's two sides: the FLOPs at peak x efficiency x matmul_share, the rest of the work
     (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
     (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model)."""
     x, h, s = layout, shape.hidden, shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
-    flops = shape.step_flops_per_token(x.recompute)  # the logits apportioned like the layers
-    mb_flops = flops * s * x.b * layers / (shape.layers * x.tp)  # a microbatch, fullest stage
-    t_mb = mb_flops / (cluster.gpu.peak_flops * eff.compute)
-    t_mb += elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
+    rate = cluster.gpu.peak_flops * eff.compute * matmul_share(shape, x, cluster.gpu)
+    elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
+    slowest, fullest = (
+        f * s * x.b / x.tp / rate + elementwise for f in stage_flops_per_token(shape, x)
+    )
     slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
     net = replace(cluster, inter=slower)
     act = e * s * x.b * h  # bytes of one activation tensor
     tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
-    slot = t_mb + t_tp
-    stage_link = net.link(0, x.tp) if x.pp > 1 else net.intra
-    message = stage_link.latency + act / (x.tp if x.scatter else 1) / stage_link.bandwidth
+    hop = net.link(0, (x.pp - 1) * x.tp)  # the slowest: the network if the stages span nodes
+    message = hop.latency + act / (x.tp if x.scatter else 1) / hop.bandwidth
+    if x.scatter:  # the receiving stage all-gathers the tp pieces (half an all-reduce)
+        message += tp_ar / 2
     t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
     psi_g = psi or shape.params() / (x.pp * x.tp)
     # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
     # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
     window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
-    dp_group = _over(net, x.tp * x.pp)  # dp peers sit tp x pp ranks apart
+    # dp peers sit tp x pp ranks apart: g / (tp pp) of them on a node (at least 1)
+    dp_group = replace(net, gpus_per_node=max(1, net.gpus_per_node // (x.tp * x.pp)))
     t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, e * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
     return {
-        "compute": m * t_mb,
-        "bubble": (x.pp - 1) / x.v * slot,
+        "compute": m * slowest,
+        "bubble": (x.pp - 1) / x.v * (fullest + t_tp),
         "tp": m * t_tp,
         "pp": t_pp,
-        "dp": max(0.0, t_dp - eff.overlap * window * m * t_mb),
+        "dp": max(0.0, t_dp - eff.overlap * window * m * slowest),
         "optimizer": optimizer,
     }
 
@@ -281,7 +310,8 @@ def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float
     tp   m (4 L_s + 1) all-reduces of an activation (6 L_s + 1 with full recompute; + 1 for
          the output layer if pp = 1)
     pp   m v activations on and m (v-1) gradients back (chunk 0 of the first stage gets none),
-         each 1/tp of the activation with scatter
+         each 1/tp of the activation with scatter (then the m (2v - 1) it receives are each
+         all-gathered on the tp links: (tp-1)/tp of an activation sent)
     dp   step()'s rounds of all-reduces of e psi bytes"""
     x, m, act = layout, layout.microbatches(batch), e * shape.seq * layout.b * shape.hidden
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731
@@ -289,6 +319,7 @@ def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float
     ends = 2 if x.pp == 1 else 1
     tp = m * (layers * (6 if x.recompute == "full" else 4) + ends) * act * ring(x.tp)
     pp = m * (2 * x.v - 1) * act / (x.tp if x.scatter else 1) if x.pp > 1 else 0
+    tp += m * (2 * x.v - 1) * act * ring(x.tp) / 2 if x.scatter and x.pp > 1 else 0
     psi = psi or (layers * shape.layer_params() + ends * shape.vocab * shape.hidden) / x.tp
     rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
     return {"dp": rounds * ring(x.dp) * e * psi, "pp": pp, "tp": tp}
@@ -334,12 +365,9 @@ def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
 
 
 def _options(tp: int):
-    for v in (1, 2, 4):
-        for zero in (0, 1, 2, 3):
-            for b in (1, 2, 4, 8):
-                for recompute in ("none", "selective", "full"):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        yield v, zero, b, recompute, sp
+    """(v, zero, b, recompute, sp) for every layout of this tp."""
+    sps = (False, True) if tp > 1 else (False,)
+    return product((1, 2, 4), (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"), sps)
 
 
 def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> tuple[list, list]:
@@ -352,22 +380,16 @@ def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> t
     return ok, [q for q in plans if q.why_not]
 
 
-def mfu(shape: Shape, cluster: Cluster, gpus: int, batch: int, seconds: float) -> float:
-    """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
-    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
-    model = 3 * shape.forward_flops_per_token() * batch * shape.seq
-    return model / (seconds * gpus * cluster.gpu.peak_flops)
-
-
 # Fitted on three published runs (tests/published_runs.py) and checked on every other one
 # (tests/test_published_runs.py). compute: the A100's on Megatron-LM's 145.6B on 1536 A100s
 # (r06: Narayanan et al., SC 2021, table 1), Hopper's on Llama 3 405B on 8,192 H100s (r38:
 # Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536 A100s (r12: Narayanan et
 # al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
-# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it.
+# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it
+# (the test sets 0 for frameworks that sync gradients after the last microbatch).
 CALIBRATED = {
-    "A100": Efficiency(compute=0.610, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.814, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.686, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.838, network=0.630, overlap=1.0),
 }
 
 

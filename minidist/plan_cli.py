@@ -210,11 +210,20 @@ def _row(shape, cluster, args, q: plan.Plan) -> dict:
         "parts": q.parts,
         "memory_gb": {k: v / 1e9 for k, v in q.memory.items()},
         "tokens_per_s": tokens_per_s,
-        "mfu": plan.mfu(shape, cluster, args.gpus, args.batch, q.seconds),
+        "mfu": mfu(shape, cluster, args.gpus, args.batch, q.seconds),
         "days": days,
         "mwh": watts * days * 24 / 1e6,
         "usd": gpu_hours * cluster.usd_per_gpu_hour,
     }
+
+
+def mfu(
+    shape: plan.Shape, cluster: clusters.Cluster, gpus: int, batch: int, seconds: float
+) -> float:
+    """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
+    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
+    model = 3 * shape.forward_flops_per_token() * batch * shape.seq
+    return model / (seconds * gpus * cluster.gpu.peak_flops)
 
 
 def _name(layout: dict) -> str:

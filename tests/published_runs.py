@@ -46,6 +46,22 @@ SOURCES = {
     ),
 }
 
+# Where the framework all-reduces the gradients only after the last microbatch's backward, so
+# none of that traffic hides behind compute (the ZeRO-3 rows excepted: DeepSpeed's ZeRO-3
+# gathers and reduce-scatters during the passes). Megatron-LM (n21, k22): train_step in
+# megatron/training.py runs forward_backward_func over every microbatch, then all-reduces
+# (allreduce_gradients of its own, "local", DistributedDataParallel, the default). DeepSpeed's
+# pipeline engine (s22, b22, x22): TrainSchedule in deepspeed/runtime/pipe/schedule.py issues
+# ReduceTiedGrads and ReduceGrads after the last backward, then OptimizerStep. Except
+# TORCH_DDP: examples/sc21/run_table_1.sh sets DDP=torch (PyTorch's DistributedDataParallel,
+# which all-reduces buckets of gradients during backward) up to 18B, DDP=local from 39B up.
+AFTER_FLUSH = ("n21", "k22", "s22", "b22", "x22")
+TORCH_DDP = ("r00", "r01", "r02", "r03")
+# Whose pipelines have no interleaved schedule (v = 1 only): DeepSpeed's pipeline engine
+# trains with TrainSchedule, plain 1F1B (deepspeed/runtime/pipe/schedule.py holds it and the
+# inference schedule, nothing interleaved).
+NO_INTERLEAVING = ("s22", "b22", "x22")
+
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
     "L24h2304": (24, 2304, 24, 24, 9216, False, 51200, 2048),
@@ -408,12 +424,12 @@ ASSUMED = {
     "r01": ["ffn = 4 hidden"],
     "r02": ["ffn = 4 hidden"],
     "r03": ["ffn = 4 hidden"],
-    "r04": ["ffn = 4 hidden", "v = 1"],
+    "r04": ["ffn = 4 hidden"],
     "r05": ["ffn = 4 hidden"],
     "r06": ["ffn = 4 hidden"],
     "r07": ["ffn = 4 hidden"],
     "r08": ["ffn = 4 hidden"],
-    "r09": ["ffn = 4 hidden", "v = 1"],
+    "r09": ["ffn = 4 hidden"],
     "r10": ["ffn = 4 hidden", "full recompute as in table 1"],
     "r11": ["ffn = 4 hidden", "full recompute as in table 1"],
     "r12": ["ffn = 4 hidden", "full recompute as in table 1"],

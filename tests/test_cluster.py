@@ -120,6 +120,19 @@ def test_calibrated_fits_a_and_b():
     assert machine.link(0, 1) == link and machine.gpus_per_node == 2
 
 
+@pytest.mark.pure
+def test_wave_share_counts_tiles_and_waves():
+    a100 = C().PRESETS["dgx-a100"].gpu
+    assert a100.sms == 108
+    # 256 x 128 tiles: 108 x 108 of them fill 108 waves exactly, forward and both gradients
+    assert C().wave_share(a100, 256 * 108, [(128 * 108, 128 * 108)]) == pytest.approx(1.0)
+    # one tile forward and one for the input's gradient (1/108 of a wave each), half a tile
+    # for the weight's (1/216): three passes of equal FLOPs over 108 + 108 + 216 units of time
+    assert C().wave_share(a100, 256, [(128, 128)]) == pytest.approx(3 / 432)
+    cpu = C().this_machine(C().NVLINK3, flops=5e10, cores=2).gpu
+    assert cpu.sms == 0 and C().wave_share(cpu, 256, [(128, 128)]) == 1.0
+
+
 # ---- tiers 1-2: the hierarchical all-reduce, run for real --------------------------------
 
 

@@ -42,7 +42,9 @@ def test_flops_per_token_is_megatrons_formula():
 
 
 @pytest.mark.pure
-@pytest.mark.parametrize("zero,per_param", [(0, 16), (1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])
+# ZeRO-1/2/3: Rajbhandari et al.'s; without ZeRO, Megatron-LM's 20 (its docs' table of bytes a
+# parameter: fp16 parameters and gradients, the optimizer's float32 copies of both, Adam's two)
+@pytest.mark.parametrize("zero,per_param", [(0, 20), (1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])
 def test_model_state_is_the_zero_papers(zero, per_param):
     x = plan.Layout(dp=4, pp=2, tp=2, zero=zero)
     psi = (GPT3.layers // 2 * GPT3.layer_params() + GPT3.vocab * GPT3.hidden) / 2
@@ -75,12 +77,17 @@ def test_activations_are_korthikantis_table_2(recompute, sp, constant):
 def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     x = plan.Layout(dp=1, pp=pp, tp=1, v=v)
     parts = plan.step(GPT3, x, A100, batch=m, eff=plan.Efficiency(compute=0.5))
-    slot = parts["compute"] / m
-    assert parts["bubble"] == pytest.approx((pp - 1) / v * slot, rel=1e-12)
-    flops = 3 * GPT3.forward_flops_per_token() * GPT3.seq * m / pp
-    memory = m * plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
-    want = flops / (A100.gpu.peak_flops * 0.5) + memory
-    assert parts["compute"] == pytest.approx(want, rel=1e-12)
+    rate, s, h = (
+        A100.gpu.peak_flops * 0.5 * plan.matmul_share(GPT3, x, A100.gpu),
+        GPT3.seq,
+        GPT3.hidden,
+    )
+    memory = plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
+    layers = 3 * (2 * GPT3.layer_params() + 4 * s * h) * GPT3.layers // pp  # a stage's, a token
+    head = 3 * 2 * GPT3.vocab * h  # on the last stage, which sets the pace
+    assert parts["compute"] == pytest.approx(m * ((layers + head) * s / rate + memory), rel=1e-12)
+    fill = layers * s / rate + memory if pp > 1 else 0  # the other stages fill and drain the pipe
+    assert parts["bubble"] == pytest.approx((pp - 1) / v * fill, rel=1e-12)
 
 
 @pytest.mark.pure

@@ -5,8 +5,10 @@ the step time of the published layout, and the error against what the source rep
 here (ERRORS, checked to 0.1%) so that a change to the formulas shows up as a change of numbers.
 Target: the median absolute error over the other runs at most 15%. Second check: among the
 layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO stage, flash
-attention; without model parallelism where the run had none), the planner ranks first the
-published layout or one predicted within 5% of it; RANKING pins the gap for every run.
+attention; without model parallelism where the run had none; its framework's overlap: none
+where gradients sync after the last microbatch, published.AFTER_FLUSH; no interleaving where
+its pipeline has none, published.NO_INTERLEAVING), the planner ranks
+first the published layout or one predicted within 5% of it; RANKING pins the gap for every run.
 `python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).
 """
 
@@ -59,10 +61,19 @@ def published_seconds(rid: str) -> float:
     return tokens * shape.step_flops_per_token("full") / (value * 1e12 * gpus)
 
 
+def efficiency_of(rid: str) -> plan.Efficiency:
+    """The calibrated efficiencies of the run's GPU; no overlap where its framework syncs
+    gradients only after the last microbatch (published.AFTER_FLUSH)."""
+    eff = plan.calibrated(cluster_of(rid))
+    row = published.RUNS[rid]
+    after = row[1] in published.AFTER_FLUSH and row[8] < 3 and rid not in published.TORCH_DDP
+    return replace(eff, overlap=0.0) if after else eff
+
+
 def predicted(rid: str, layout=None, eff=None) -> plan.Plan:
     row = published.RUNS[rid]
     c = cluster_of(rid)
-    eff = eff or plan.calibrated(c)
+    eff = eff or efficiency_of(rid)
     x = layout or layout_of(rid)
     return plan.evaluate(shape_of(rid), x, c, row[4], row[10], eff, flash=bool(row[13]))
 
@@ -80,13 +91,16 @@ def ranking_gap(rid: str) -> float:
     def same(x: plan.Layout) -> bool:
         techniques = (x.recompute, x.sp, x.zero) == (mine.recompute, mine.sp, mine.zero)
         model_parallel = mine.tp * mine.pp > 1 or x.tp * x.pp == 1
-        return techniques and model_parallel
+        schedule = x.v == 1 or row[1] not in published.NO_INTERLEAVING
+        return techniques and model_parallel and schedule
 
     ours = predicted(rid)
     if ours.why_not:
         return float("inf")
     c = cluster_of(rid)
-    ok, _ = plan.search(shape_of(rid), c, row[4], row[10], flash=bool(row[13]), allowed=same)
+    ok, _ = plan.search(
+        shape_of(rid), c, row[4], row[10], efficiency_of(rid), bool(row[13]), allowed=same
+    )
     best = min([ours, *ok], key=lambda q: q.seconds)
     return ours.seconds / best.seconds - 1
 
@@ -96,63 +110,65 @@ OTHERS = [rid for rid in published.RUNS if rid not in CALIBRATION]
 INF = float("inf")
 # the planner's error on every run not used to calibrate it (predicted / reported - 1)
 ERRORS = {
-    "r00": -0.024,
-    "r01": -0.023,
-    "r02": -0.005,
-    "r03": -0.03,
-    "r04": 0.007,
-    "r05": -0.058,
-    "r07": -0.011,
-    "r08": 0.012,
-    "r09": 0.058,
+    "r00": -0.084,
+    "r01": -0.07,
+    "r02": -0.057,
+    "r03": -0.067,
+    "r04": 0.01,
+    "r05": -0.066,
+    "r07": -0.016,
+    "r08": -0.007,
+    "r09": 0.036,
     "r10": -0.184,
     "r11": -0.001,
     "r13": -0.21,
     "r14": 0.122,
     "r15": 0.1,
-    "r19": 0.037,
-    "r20": 0.042,
-    "r21": 0.049,
-    "r22": -0.066,
-    "r23": 0.009,
+    "r19": 0.005,
+    "r20": 0.011,
+    "r21": 0.019,
+    "r22": -0.08,
+    "r23": -0.006,
     "r24": 0.017,
-    "r25": 0.06,
-    "r26": 0.07,
-    "r27": 0.116,
-    "r28": 0.123,
-    "r29": 0.15,
-    "r30": 0.034,
-    "r31": 0.087,
-    "r32": -0.156,
-    "r33": -0.167,
-    "r34": -0.191,
-    "r36": -0.034,
-    "r37": -0.206,
+    "r25": 0.055,
+    "r26": 0.057,
+    "r27": 0.086,
+    "r28": 0.113,
+    "r29": 0.121,
+    "r30": 0.032,
+    "r31": 0.066,
+    "r32": -0.18,
+    "r33": -0.189,
+    "r34": -0.213,
+    "r36": -0.108,
+    "r37": -0.226,
     "r39": 0.256,
     "r41": -0.224,
-    "r42": -0.226,
+    "r42": -0.241,
     "r43": 1.882,
-    "r44": -0.352,
-    "r45": 0.195,
-    "r46": 0.243,
-    "r47": 0.106,
+    "r44": -0.355,
+    "r45": 0.068,
+    "r46": 0.135,
+    "r47": 0.015,
     "r48": 0.134,
-    "r49": 0.177,
+    "r49": 0.065,
 }
 # the gap between the published layout and the planner's first with the same techniques; INF:
-# the planner's memory model does not fit the published layout (Llama 3: 73 GB of activations
-# by Korthikanti et al.'s count with sequence parallelism, where the run's own recipe fit 80 GB)
+# the planner's memory model does not fit the published layout (Llama 3: 238 GB without sequence
+# parallelism, as the row has it; 87.5 GB with it; 71.6 GB on the busiest stage only with also
+# no dropout, FSDP's sharded gradients as ZeRO-2 and the paper's lighter first and last stages,
+# where the run's own recipe fit 80 GB: lessons/13_beyond_one_machine/README.md)
 RANKING = {
     "r00": 0.0,
-    "r01": 0.042,
-    "r02": 0.072,
-    "r03": 0.127,
-    "r04": 0.163,
-    "r05": 0.019,
-    "r06": 0.034,
-    "r07": 0.021,
+    "r01": 0.0,
+    "r02": 0.0,
+    "r03": 0.088,
+    "r04": 0.121,
+    "r05": 0.022,
+    "r06": 0.014,
+    "r07": 0.0,
     "r08": 0.0,
-    "r09": 0.049,
+    "r09": 0.042,
     "r10": 0.0,
     "r11": 0.0,
     "r12": 0.0,
@@ -161,22 +177,22 @@ RANKING = {
     "r15": 0.0,
     "r19": 0.0,
     "r20": 0.0,
-    "r21": 0.0,
-    "r22": 0.007,
-    "r23": 0.044,
-    "r24": 0.005,
-    "r25": 0.006,
+    "r21": 0.024,
+    "r22": 0.002,
+    "r23": 0.043,
+    "r24": 0.003,
+    "r25": 0.005,
     "r26": 0.0,
     "r27": 0.0,
     "r28": 0.0,
-    "r29": 0.049,
+    "r29": 0.042,
     "r30": 0.0,
     "r31": 0.0,
-    "r32": 0.022,
+    "r32": 0.014,
     "r33": 0.0,
-    "r34": 0.028,
-    "r36": 0.046,
-    "r37": 0.085,
+    "r34": 0.013,
+    "r36": 0.006,
+    "r37": 0.044,
     "r38": INF,
     "r39": INF,
     "r41": 0.0,
@@ -207,9 +223,10 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     got = {rid: round(ranking_gap(rid), 3) for rid in published.RUNS}
     assert got == pytest.approx(RANKING, abs=0.0011)
     misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
-    # the planner prefers less tensor and more pipeline parallelism than Megatron-LM chose for
-    # 7.5-39B (its compute efficiency does not fall with smaller matmuls); Llama 3: see RANKING
-    assert misses == ["r02", "r03", "r04", "r37", "r38", "r39"], misses
+    # Megatron-LM 18.4B and 39.1B: the planner prefers tp4 with an interleaved pipeline (8.8%,
+    # 12.1% faster) to the published tp8, whose six all-reduces of every activation per layer
+    # cost 12% and 9% of the step on NVLink, against a bubble of 3% and 1%; Llama 3: see RANKING
+    assert misses == ["r03", "r04", "r38", "r39"], misses
 
 
 def table() -> str:

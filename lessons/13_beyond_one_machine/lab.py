@@ -22,6 +22,7 @@ Communication (p ranks on n nodes of g GPUs, rank r on node r // g; N bytes):
                              2 (g-1) (a_in + N/(g B_in)) + 2 (n-1) (a_out + N/(g n B_out))
 Bytes each rank sends: flat ring 2 (p-1)/p N (on the network if its right neighbour is on
 another node); hierarchical 2 (g-1)/g N inside the node and 2 (n-1)/n N/g across.
+Matmuls: the share of peak their 256 x 128 output tiles keep in waves over the SMs (wave_share).
 Ladder: the data (GPU, Link, Cluster, presets) -> the cost of one message (message_seconds)
 -> collectives on a topology (ring_seconds: any ring of ranks; ring, tree, hierarchical
 all-reduce) -> calibrated(): this machine from `minidist bench p2p --json`.
@@ -42,13 +43,14 @@ GB = 1e9  # spec sheets count decimal gigabytes
 @dataclass(frozen=True)
 class GPU:
     """One accelerator: dense bf16 peak (FLOP/s), memory (bytes), memory bandwidth (B/s),
-    board power (W)."""
+    board power (W), streaming multiprocessors (0: matmuls of any shape run at one rate)."""
 
     name: str
     peak_flops: float
     memory: float
     memory_bw: float
     watts: float
+    sms: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,29 @@ def message_seconds(cluster: Cluster, a: int, b: int, nbytes: float) -> float:
     """alpha + nbytes / beta of the link from rank a to rank b."""
     link = cluster.link(a, b)
     return link.latency + nbytes / link.bandwidth
+
+
+def wave_share(gpu: GPU, rows: int, products: list[tuple[int, int]]) -> float:
+    """The share of the GPU's matmul rate that products of `rows` x k by k x n (each (k, n)
+    in products) reach, forward and backward, after tile and wave quantization: a product's
+    output is cut into 256 x 128 tiles, the SMs take one tile each at a time, and the last
+    wave and the tiles on the edges run part empty (NVIDIA, "Matrix Multiplication Background
+    User's Guide", Deep Learning Performance documentation: tile and wave quantization, with
+    256 x 128 tiles on the A100's 108 SMs). Each product runs three times, as many FLOPs each:
+    forward (rows x n out), the input's gradient (rows x k) and the weight's (k x n); the share
+    is their FLOPs over their time. 1 if gpu.sms is 0."""
+    if gpu.sms == 0:
+        return 1.0
+
+    def filled(a: int, b: int) -> float:
+        tiles = math.ceil(a / 256) * math.ceil(b / 128)
+        return a * b / (math.ceil(tiles / gpu.sms) * gpu.sms * 256 * 128)
+
+    work = sum(3 * k * n for k, n in products)
+    time = sum(
+        k * n * (1 / filled(rows, n) + 1 / filled(rows, k) + 1 / filled(k, n)) for k, n in products
+    )
+    return work / time
 
 
 def _slowest(cluster: Cluster, p: int) -> Link:
@@ -180,11 +205,14 @@ def calibrated(rows: list[dict], name: str = "this machine") -> Link:
 # ---- presets: each number with its source ------------------------------------------------
 # [A100]  NVIDIA A100 Tensor Core GPU datasheet (2021): bf16 dense 312 TFLOP/s; 80 GB HBM2e;
 #         2,039 GB/s (SXM) and 1,935 GB/s (PCIe); 400 W (SXM), 300 W (PCIe); NVLink 600 GB/s
-#         per GPU, both directions together.
+#         per GPU, both directions together. 108 SMs: NVIDIA A100 Tensor Core GPU Architecture
+#         whitepaper (2020).
 # [H100]  NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: bf16 989 TFLOP/s dense (1,979
 #         with sparsity); 80 GB HBM3, 3.35 TB/s; up to 700 W; NVLink 900 GB/s both directions.
+#         132 SMs (SXM5): NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022).
 # [H200]  NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 141 GB HBM3e, 4.8 TB/s; bf16 989
-#         TFLOP/s dense; up to 700 W; NVLink 900 GB/s.
+#         TFLOP/s dense; up to 700 W; NVLink 900 GB/s. Its SMs are taken as the H100 SXM5's
+#         (the same peak: an assumption, the datasheet does not count them).
 # [DGXA]  NVIDIA DGX A100 datasheet (2020): 8 A100 on 6 NVSwitches; 8 single-port ConnectX-6
 #         200 Gb/s HDR InfiniBand for compute; 6.5 kW max.
 # [DGXH]  NVIDIA DGX H100 / DGX H200 datasheets (2023, 2024): 8 GPUs on 4 NVSwitches; 8
@@ -198,10 +226,10 @@ def calibrated(rows: list[dict], name: str = "this machine") -> Link:
 # [PUE]   Uptime Institute Global Data Center Survey 2023: average annual PUE 1.58; Google's
 #         fleet-wide trailing twelve-month PUE 1.10 (Google Environmental Report 2023).
 
-A100_SXM = GPU("A100-SXM4-80GB", 312e12, 80 * GB, 2039 * GB, 400)  # [A100]
-A100_PCIE = GPU("A100-PCIe-80GB", 312e12, 80 * GB, 1935 * GB, 300)  # [A100]
-H100_SXM = GPU("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB, 700)  # [H100]
-H200_SXM = GPU("H200-SXM-141GB", 989e12, 141 * GB, 4800 * GB, 700)  # [H200]
+A100_SXM = GPU("A100-SXM4-80GB", 312e12, 80 * GB, 2039 * GB, 400, 108)  # [A100]
+A100_PCIE = GPU("A100-PCIe-80GB", 312e12, 80 * GB, 1935 * GB, 300, 108)  # [A100]
+H100_SXM = GPU("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB, 700, 132)  # [H100]
+H200_SXM = GPU("H200-SXM-141GB", 989e12, 141 * GB, 4800 * GB, 700, 132)  # [H200]
 
 NVLINK3 = Link("NVLink 3 + NVSwitch", 0.47e-6, 300 * GB)  # [A100] 600/2 per direction, [NCCL]
 NVLINK4 = Link("NVLink 4 + NVSwitch", 0.47e-6, 450 * GB)  # [H100] 900/2 per direction, [NCCL]
