@@ -10,8 +10,8 @@ Calibrates this machine from measurements only, none of them of a training step:
            the job builds it (ParallelTransformerBlock, at tp = 1 too) at the layout's
            microbatch shape (b, s, h), cut over tp as a rank runs it (tp ranks as threads),
            its FLOPs as plan.Shape counts them (the layer's matmuls, its attention scores;
-           1/tp of them) over a rank's CPU time less the elementwise bytes at the copy
-           bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
+           1/tp of them) over a rank's CPU time, every rank of the layout running at once
+           (they share the memory), less the elementwise bytes at the copy bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
            more than memory traffic on a CPU), torch's per-op overhead (about 17 us an op,
            137 ops a whole block) and the smaller matmuls of a tp slice stays in that rate,
            which a bare matmul leaves out (a 256 x 256 matmul ran 20-60% faster a FLOP).
@@ -75,21 +75,24 @@ def _cpu_median(work, repeats: int) -> float:
     return statistics.median(times)
 
 
-def layer_flops_rate(b: int, tp: int, memory_bw: float, repeats: int = 5) -> float:
+def layer_flops_rate(b: int, tp: int, world: int, memory_bw: float, repeats: int = 21) -> float:
     """A core's FLOP/s on one toy block as a rank of tp runs it, forward and backward, x (b, s,
-    h): its matmul FLOPs over its CPU time (the slowest rank's, tp ranks as threads whose waits
-    sleep) less what plan.step prices apart (the elementwise bytes at memory_bw; the toy's
-    attention keeps its scores: flash=False)."""
+    h): its matmul FLOPs over its CPU time (the slowest rank's; all `world` ranks of the job at
+    once, as threads whose waits sleep, in groups of tp: the job's ranks share the memory,
+    which cost one alone about 10% here) less what plan.step prices apart (the elementwise
+    bytes at memory_bw; the toy's attention keeps its scores: flash=False)."""
     s, h = SHAPE.seq, SHAPE.hidden
     flops = b * s * 3 * (2 * SHAPE.layer_params() + 4 * s * h) / tp  # step_flops, one layer
     one = plan.Layout(1, 1, tp, b=b)
     memory = plan.elementwise_nbytes(SHAPE, one, False, 4) / SHAPE.layers / memory_bw
-    seconds = max(run_threads(_block_seconds, tp, b, repeats, timeout=600))
+    seconds = max(run_threads(_block_seconds, world, tp, b, repeats, timeout=600))
     return flops / (seconds - memory)
 
 
-def _block_seconds(tp_comm, b: int, repeats: int) -> float:
-    """This rank's median CPU seconds of its slice of a toy block, forward and backward."""
+def _block_seconds(comm, tp: int, b: int, repeats: int) -> float:
+    """This rank's median CPU seconds of its slice of a toy block, forward and backward, on the
+    tp group of its neighbours (as the mesh puts tp ranks: adjacent)."""
+    tp_comm = comm.split(comm.rank // tp)
     # the job's own block at every tp, 1 too: its f and g and parallel linears cost time even
     # on one rank (a plain TransformerBlock put dp 2 at 0.68-0.74 of the measured step)
     block = TransformerBlock(SHAPE.hidden, SHAPE.heads, SHAPE.ffn)
@@ -110,7 +113,8 @@ def copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
 def planned_step(cluster, dp: int, pp: int, tp: int) -> dict:
     """plan.step's parts for the layout, with the compute rate of its microbatch shape."""
     x = plan.Layout(dp, pp, tp, b=BATCH // (dp * MICROBATCHES), scatter=False)
-    gpu = replace(cluster.gpu, peak_flops=layer_flops_rate(x.b, tp, cluster.gpu.memory_bw))
+    rate = layer_flops_rate(x.b, tp, dp * pp * tp, cluster.gpu.memory_bw)
+    gpu = replace(cluster.gpu, peak_flops=rate)
     return plan.step(SHAPE, x, replace(cluster, gpu=gpu), BATCH, plan_cli.MEASURED, 4, False)
 
 
