@@ -11,10 +11,11 @@ Calibrates this machine from measurements only, none of them of a training step:
            microbatch shape (b, s, h), cut over tp as a rank runs it (tp ranks as threads),
            its FLOPs as plan.Shape counts them (the layer's matmuls, its attention scores;
            1/tp of them) over a rank's CPU time, every rank of the layout running at once
-           (they share the memory), less the elementwise bytes at the copy bandwidth. What is left of the LayerNorms, GELU, softmax (exp, erf:
-           more than memory traffic on a CPU), torch's per-op overhead (about 17 us an op,
-           137 ops a whole block) and the smaller matmuls of a tp slice stays in that rate,
-           which a bare matmul leaves out (a 256 x 256 matmul ran 20-60% faster a FLOP).
+           (they share the memory), less the elementwise bytes at the copy bandwidth. What
+           is left of the LayerNorms, GELU, softmax (exp, erf: more than memory traffic on a
+           CPU), torch's per-op overhead (about 17 us an op, 137 ops a whole block) and the
+           smaller matmuls of a tp slice stays in that rate, which a bare matmul leaves out
+           (a 256 x 256 matmul ran 20-60% faster a FLOP).
 Then for each layout runs `minidist train --json` (one rank per core) and prints the plan's
 seconds per step (plan.step, e=4: float32; efficiencies 1, no overlap) beside the measured
 median over the steps after the first (the first is warm-up), in rank 0's CPU time and wall
