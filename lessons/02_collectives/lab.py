@@ -43,11 +43,10 @@ from minidist.comm.protocol import Comm, Work, check_op, check_peer, reduce_
 from minidist.comm.tagged import tag_of, tagged
 
 ALGORITHMS = ("naive", "recursive_doubling", "ring")
-# all_reduce(algorithm="auto") switches to the ring from this many bytes on. Measured with
-# `minidist bench allreduce -n 2 --backend mpi` (the 2-core VM, quiet, 2026-12-04, lesson 02's
-# table): recursive doubling / ring time 0.54-0.80 up to 64 KiB, 1.00 at 256 KiB, 1.38-1.74 from
-# 1 MiB. With more ranks the ring wins earlier (log2(p) N bytes per rank against 2 (p-1)/p N);
-# NCCL picks its own (lesson 02)
+# all_reduce(algorithm="auto") switches to the ring from this many bytes on. `minidist bench
+# allreduce -n 2 --backend mpi` (quiet 2-core VM, lesson 02): recursive doubling / ring 0.54-0.80
+# up to 64 KiB, 1.00 at 256 KiB, 1.38-1.74 from 1 MiB. With more ranks the ring wins earlier
+# (log2(p) N bytes per rank against 2 (p-1)/p N); NCCL picks its own (lesson 02)
 RING_FROM_BYTES = 256 << 10
 # the ring moves a chunk in pieces of at most this many bytes, received into two reused slots:
 # a scratch buffer as large as a chunk would be allocated, and page-faulted, on every call
