@@ -86,7 +86,9 @@ def layer_flops_rate(b: int, tp: int, world: int, memory_bw: float, repeats: int
     flops = b * s * 3 * (2 * SHAPE.layer_params() + 4 * s * h) / tp  # step_flops, one layer
     one = plan.Layout(1, 1, tp, b=b)
     memory = plan.elementwise_nbytes(SHAPE, one, False, 4) / SHAPE.layers / memory_bw
-    seconds = max(run_threads(_block_seconds, world, tp, b, repeats, timeout=600))
+    # one torch thread for the whole run: the setting is the process's, not a rank thread's
+    with plan_cli._one_thread(torch):
+        seconds = max(run_threads(_block_seconds, world, tp, b, repeats, timeout=600))
     return flops / (seconds - memory)
 
 
@@ -99,9 +101,8 @@ def _block_seconds(comm, tp: int, b: int, repeats: int) -> float:
     block = TransformerBlock(SHAPE.hidden, SHAPE.heads, SHAPE.ffn)
     block = ParallelTransformerBlock.from_full(block, tp_comm)
     x = torch.randn(b, SHAPE.seq, SHAPE.hidden, requires_grad=True)  # (b, s, h)
-    with plan_cli._one_thread(torch):
-        block(x).sum().backward()  # the first call allocates: not timed
-        return _cpu_median(lambda: block(x).sum().backward(), repeats)
+    block(x).sum().backward()  # the first call allocates: not timed
+    return _cpu_median(lambda: block(x).sum().backward(), repeats)
 
 
 def copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
