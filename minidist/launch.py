@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 
+from . import processes
 from .comm.checked import CheckedComm
 from .comm.protocol import DEFAULT_TIMEOUT, CommTimeout, PeerFailed
 from .comm.threads import ThreadsWorld
@@ -231,29 +232,29 @@ def launch(
     procs = []
     lifelines = Lifelines(failures, n) if hasattr(os, "mkfifo") else None
     deadline = None if timeout is None else time.monotonic() + timeout
-    old = _on_sigterm()
+    old = processes.exit_on_sigterm()
     try:
         if backend == "mpi":
             # we stop the job ourselves: mpiexec's own cleanup would SIGKILL every rank within
             # a millisecond of the first death, leaving no trace of which rank died first
             cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), *wrapped]
-            procs.append(_start(cmd, base))
+            procs.append(processes.start(cmd, base))
         else:
             port = free_port()
             for r in range(n):
                 rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
                 rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1")
-                procs.append(_start(wrapped, dict(rank_env, MASTER_PORT=str(port))))
+                procs.append(processes.start(wrapped, dict(rank_env, MASTER_PORT=str(port))))
         linger = job_timeout(base) if linger is None else linger
         watch = Watch(procs, n, backend, failures, linger, deadline, lifelines)
         outcome = watch.run() or Outcome(0)
         if outcome.timed_out and done_marker is not None:
             outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]
         if outcome.returncode == 0:  # every rank ended: let them (and mpiexec's output) finish
-            _wait(procs, min(EXIT_GRACE, job_timeout(base)))
+            processes.wait(procs, min(EXIT_GRACE, job_timeout(base)))
         return outcome
     finally:
-        _stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher
+        processes.stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher
         if lifelines is not None:
             lifelines.close()
         shutil.rmtree(failures, ignore_errors=True)
@@ -276,60 +277,6 @@ def start_ranks(module: str, argv: list[str], n: int, backend: str, command: str
     if outcome.returncode != 0:
         print(f"{command}: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode
-
-
-def _on_sigterm():
-    """Turn SIGTERM into SystemExit(143) while launching, so the `finally` stops the ranks and
-    removes the launcher's folder; the old handler (None off the main thread, where Python
-    allows no handler)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, stop)
-
-
-def _start(cmd: list[str], env: dict) -> subprocess.Popen:
-    """Start a rank (or mpiexec) in its own process group, so it can be stopped as a whole,
-    and (on Linux) have it receive SIGTERM if this launcher dies: no orphaned ranks."""
-    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    # runs in the child between fork and exec: only a plain libc call, resolved beforehand
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _find_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    return ctypes.CDLL(None).prctl
-
-
-_prctl = _find_prctl()
-
-
-def _wait(procs, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
-        time.sleep(0.02)
-
-
-def _stop(procs) -> None:
-    """SIGTERM every process group still alive, SIGKILL after 3 s."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    _wait(procs, 3)
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def run_threads(

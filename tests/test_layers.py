@@ -47,6 +47,7 @@ MODULES = {
     "mesh": "foundation",
     "memory": "foundation",
     "launch": "foundation",
+    "processes": "foundation",
     "watchdog": "foundation",
     "data_parallel": "technique",
     "tensor_parallel": "technique",
