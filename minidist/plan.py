@@ -36,10 +36,9 @@ Time per step (the slowest stage):
                   al., section 4.1); s b h, not gathered, as minidist's pipeline sends them
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
-Bytes each rank sends per dimension: sent_nbytes (tests/test_plan_measured.py: equal to what
-minidist's main job sends, memory within 10% of what it holds).
-Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown)
--> search (every layout of a GPU count, the feasible ones ranked) -> plan_cli (`minidist plan`).
+Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown;
+sent_nbytes: the bytes it prices) -> search (every layout of a GPU count, the feasible ones
+ranked) -> plan_cli (`minidist plan`); calibrate.py: this machine, measured.
 Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC 2021); Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022).   Lesson: lessons/13_beyond_one_machine/.
@@ -106,6 +105,7 @@ SHAPES = {
     "llama-70b": Shape("Llama 2 70B", 80, 8192, 64, 28672, 32000, 4096, 8, True),  # [LLAMA2]
     "llama-7b": Shape("Llama 2 7B", 32, 4096, 32, 11008, 32000, 4096, 0, True),  # [LLAMA2]
     "llama3-405b": Shape("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 8, True),
+    "minidist": Shape("minidist's GPT", 4, 64, 4, 256, 256, 64, dropout=False),  # train's
 }
 
 
@@ -340,28 +340,28 @@ class Plan:
         return sum(self.parts.values())
 
 
-def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9) -> Plan:
+def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9, e=2) -> Plan:
     """The verdict on one layout; memory must fit in headroom x the GPU's memory (the rest:
-    the framework, fragmentation, buffers: an assumption)."""
+    the framework, fragmentation, buffers: an assumption). e: bytes of a value (step)."""
     why = problems(shape, layout, gpus, batch)
     if why:
         return Plan(layout, {}, {}, tuple(why))
-    memory = memory_bytes(shape, layout, batch, flash)
+    memory = memory_bytes(shape, layout, batch, flash, e)
     total, room = sum(memory.values()), headroom * cluster.gpu.memory
     if total > room:
         gb = cluster.gpu.memory / 1e9
         why = [f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"]
-    return Plan(layout, memory, step(shape, layout, cluster, batch, eff, flash=flash), tuple(why))
+    return Plan(layout, memory, step(shape, layout, cluster, batch, eff, e, flash), tuple(why))
 
 
-def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int):
+def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int, scatter: bool = True):
     """Every layout worth a look: tp up to two nodes, pp up to the layers (uneven stages
-    allowed), b up to 8, v up to 4, every ZeRO stage, recompute and sp; problems() filters."""
-    g = cluster.gpus_per_node
-    for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * g and gpus % t == 0):
+    allowed), b up to 8, v up to 4 (pp > 1), every ZeRO stage, recompute, sp; problems() filters."""
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * cluster.gpus_per_node and gpus % t == 0):
         for pp in (p for p in range(1, shape.layers + 1) if (gpus // tp) % p == 0):
             for v, zero, b, recompute, sp in _options(tp):
-                yield Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, sp)
+                if v == 1 or pp > 1:  # chunks of one stage interleave with nothing
+                    yield Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, sp, scatter)
 
 
 def _options(tp: int):
@@ -370,23 +370,24 @@ def _options(tp: int):
     return product((1, 2, 4), (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"), sps)
 
 
-def search(shape, cluster, gpus, batch, eff=None, flash=True, allowed=None) -> tuple[list, list]:
-    """(feasible plans, fastest first; the infeasible ones) over layouts() that allowed(layout)
-    accepts (default all). eff: calibrated(cluster) unless given."""
+def search(
+    shape, cluster, gpus, batch, eff=None, flash=True, allowed=None, e=2, scatter=True
+) -> tuple[list, list]:
+    """(feasible plans, fastest first; the infeasible ones) over the layouts() allowed(x) takes
+    (default all). eff: calibrated(cluster) unless given; e, scatter: as step() and Layout."""
     eff = eff or calibrated(cluster)
-    candidates = [x for x in layouts(shape, cluster, gpus, batch) if allowed is None or allowed(x)]
-    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash) for x in candidates]
+    candidates = layouts(shape, cluster, gpus, batch, scatter)
+    candidates = [x for x in candidates if allowed is None or allowed(x)]
+    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e) for x in candidates]
     ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
     return ok, [q for q in plans if q.why_not]
 
 
-# Fitted on three published runs (tests/published_runs.py) and checked on every other one
-# (tests/test_published_runs.py). compute: the A100's on Megatron-LM's 145.6B on 1536 A100s
-# (r06: Narayanan et al., SC 2021, table 1), Hopper's on Llama 3 405B on 8,192 H100s (r38:
-# Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536 A100s (r12: Narayanan et
-# al., table 2), where the gradients and parameters dwarf the compute. overlap is not fitted:
-# 1.0 says bucketing and prefetching hide traffic for as long as there is compute to hide it
-# (the test sets 0 for frameworks that sync gradients after the last microbatch).
+# Fitted on three published runs (tests/published_runs.py), checked on every other one: compute
+# on Megatron-LM's 145.6B on 1536 A100s (r06: Narayanan et al., SC 2021, table 1) and Llama 3
+# 405B on 8,192 H100s (r38: Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536
+# A100s (r12: Narayanan et al., table 2), where gradients and parameters dwarf the compute.
+# overlap is not fitted: 1.0, traffic hides while there is compute (0 after the last microbatch).
 CALIBRATED = {
     "A100": Efficiency(compute=0.686, network=0.630, overlap=1.0),
     "H100": Efficiency(compute=0.838, network=0.630, overlap=1.0),
@@ -394,7 +395,6 @@ CALIBRATED = {
 
 
 def calibrated(cluster: Cluster) -> Efficiency:
-    """The calibrated efficiencies of the cluster's GPU: Hopper's (H100, H200: one compute
-    die) or else the A100's."""
+    """The calibrated efficiencies of the cluster's GPU: Hopper's (H100, H200) or the A100's."""
     hopper = any(name in cluster.gpu.name for name in ("H100", "H200"))
     return CALIBRATED["H100" if hopper else "A100"]

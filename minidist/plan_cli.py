@@ -7,16 +7,18 @@
     minidist plan ... --json         # one object: every feasible layout's numbers
     minidist plan ... --png out/plan.png                     # the time breakdown, drawn
     minidist bench p2p -n 2 --backend mpi --json > p2p.json
-    minidist plan --cluster this --calibration p2p.json --gpus 2 ...   # this machine, measured
+    minidist plan --cluster this --calibration p2p.json --gpus 2 --batch 16   # this machine
+    minidist plan ... --dp 2 --tp 1 --microbatch-size 2     # only layouts with these numbers
 
 Prints the best layouts (plan.search) with the step time by part, tokens/s, MFU, memory per
 GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
 PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
 refused for which reason. Bad input is refused with one line per reason (exit 2).
-`--cluster this` is this computer, one rank per core: alpha and B fitted to `minidist bench
-p2p --json` (cluster.calibrated), a core's FLOP/s measured here on a float32 matmul, its memory
-the RAM's share; the efficiencies are 1 (the rates are measured ones) and nothing overlaps
-(minidist's main job syncs gradients after the pipeline step).
+`--cluster this` is this computer, one rank per core, as calibrate.py measures it: alpha and
+B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
+own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
+seconds), its memory the RAM's share; the layouts are those `minidist train` runs, priced as it
+runs them (float32, no overlap); the model defaults to minidist's GPT (train's defaults).
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ import sys
 from collections import Counter
 from dataclasses import asdict, replace
 
+from minidist import calibrate, plan
 from minidist import cluster as clusters
-from minidist import plan
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
-MEASURED = plan.Efficiency(compute=1.0, network=1.0, overlap=0.0)  # --cluster this
+ONLY = ("dp", "pp", "tp", "microbatch_size", "chunks")  # the --flags that pick layouts
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the best layouts of a model on a cluster, from formulas")
-    p.add_argument("--model", default="gpt3-175b", help=f"one of {', '.join(plan.SHAPES)}")
+    models = ", ".join(plan.SHAPES)
+    p.add_argument("--model", help=f"one of {models} (gpt3-175b; minidist with --cluster this)")
     for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq-len"):
         p.add_argument(f"--{flag}", type=int, help="override the model's shape")
     p.add_argument(
@@ -53,6 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
     p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
+    for flag in ONLY:
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, help="only layouts with this")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", help="draw the time breakdown of the best layouts here")
@@ -62,6 +67,7 @@ def add_parser(sub) -> None:
 def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     """The shape and cluster the flags ask for, and every reason they cannot be used."""
     found = []
+    args.model = args.model or ("minidist" if args.cluster == "this" else "gpt3-175b")
     if args.model not in plan.SHAPES:
         found.append(f"unknown model {args.model!r}; known: {', '.join(plan.SHAPES)}")
     if args.cluster == "this" and not args.calibration:
@@ -70,7 +76,18 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append(f"--calibration {args.calibration}: no such file")
     elif args.cluster not in clusters.PRESETS and args.cluster != "this":
         found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
-    for flag in ("gpus", "batch", "top", "layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
+    for flag in (
+        "gpus",
+        "batch",
+        "top",
+        "layers",
+        "hidden",
+        "heads",
+        "ffn",
+        "vocab",
+        "seq_len",
+        *ONLY,
+    ):
         value = getattr(args, flag)
         if value is not None and value < 1:
             found.append(f"--{flag.replace('_', '-')}={value} must be at least 1")
@@ -85,8 +102,9 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
     if args.cluster != "this":
         return shape, clusters.preset(args.cluster), found
+    found += calibrate.problems(shape)
     try:
-        return shape, this_machine(args.calibration), found
+        return shape, calibrate.Machine(args.calibration, shape), found
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         return shape, None, [*found, f"--calibration {args.calibration}: {e}"]
 
@@ -106,49 +124,12 @@ def derived_shape(args) -> plan.Shape:
     return replace(shape, name=f"custom ({shape.name} with {what})", **changes)
 
 
-def matmul_flops(n: int = 256, repeats: int = 7) -> float:
-    """One core's float32 matmul rate (FLOP/s): the median of `repeats` timed n x n products."""
-    import time
-
-    import torch
-
-    a, b, times = torch.randn(n, n), torch.randn(n, n), []
-    with _one_thread(torch):
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-    return 2 * n**3 / sorted(times)[repeats // 2]
-
-
-class _one_thread:
-    """torch on one thread inside (a rank of this machine has one core)."""
-
-    def __init__(self, torch):
-        self.torch, self.before = torch, torch.get_num_threads()
-
-    def __enter__(self):
-        self.torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        self.torch.set_num_threads(self.before)
-
-
-def this_machine(path: str) -> clusters.Cluster:
-    """This computer from a `minidist bench p2p --json` file and a matmul measured now."""
-    with open(path) as f:
-        rows = json.loads(f.readline())["rows"]  # the object is one line; mpiexec may add more
-    cores = os.cpu_count() or 1
-    machine = clusters.this_machine(clusters.calibrated(rows), matmul_flops(), cores)
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # memory bandwidth is not measured: the elementwise ops and the optimizer are left out
-    # (unbounded); tools/plan_validate.py measures it
-    return replace(machine, gpu=replace(machine.gpu, memory=ram / cores, memory_bw=float("inf")))
-
-
 def _allowed(args, layout: plan.Layout) -> bool:
+    sizes = {"microbatch_size": layout.b, "chunks": layout.v}
+    picked = all(getattr(args, f) in (None, sizes.get(f, getattr(layout, f, None))) for f in ONLY)
     return (
-        (args.recompute is None or layout.recompute == args.recompute)
+        picked
+        and (args.recompute is None or layout.recompute == args.recompute)
         and (args.zero is None or layout.zero == args.zero)
         and not (args.no_sp and layout.sp)
     )
@@ -160,19 +141,30 @@ def main(args: argparse.Namespace) -> int:
         for line in found:
             print(f"minidist plan: {line}", file=sys.stderr)
         return 2
-    allowed = lambda x: _allowed(args, x)  # noqa: E731
-    flash = not args.no_flash
-    eff = MEASURED if args.cluster == "this" else None
-    ok, refused = plan.search(shape, cluster, args.gpus, args.batch, eff, flash, allowed)
+    allowed, machine = (lambda x: _allowed(args, x)), None  # noqa: E731
+    if isinstance(cluster, calibrate.Machine):  # measured: each layout on its own rate
+        machine, cluster = cluster, cluster.cluster
+        ok, refused = machine.search(args.gpus, args.batch, allowed)
+        rows = [_row(shape, machine.cluster_for(q.layout), args, q) for q in ok]
+    else:
+        flash = not args.no_flash
+        ok, refused = plan.search(shape, cluster, args.gpus, args.batch, None, flash, allowed)
+        rows = [_row(shape, cluster, args, q) for q in ok]
     if not ok:
         _refuse_all(shape, cluster, args, refused)
         return 2
-    rows = [_row(shape, cluster, args, q) for q in ok]
+    measured = machine.measured() if machine else None  # --cluster this
     if args.json:
-        print(json.dumps({"model": asdict(shape), "cluster": cluster.name, "layouts": rows}))
+        got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
+        print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
         _print(shape, cluster, args, rows[: args.top], refused)
         _why(rows)
+        if measured:
+            rates = ", ".join(f"{k} {v:.1f}" for k, v in measured["gflop_s"].items())
+            print(f"measured: a = {measured['latency_us']:.1f} us, B = ", end="")
+            print(f"{measured['bandwidth_gb_s']:.2f} GB/s, copy {measured['copy_gb_s']:.1f} GB/s;")
+            print(f"a core's GFLOP/s on the block: {rates}")
     if args.png:
         _draw(rows[: args.top], args.png)
     return 0
@@ -245,15 +237,14 @@ def count(n: float) -> str:
 def _print(shape, cluster, args, rows, refused) -> None:
     print(f"{shape.name} ({count(shape.params())}) on {args.gpus} x {cluster.gpu.name},")
     print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
-    head = f"{'layout':38} {'step s':>7} " + " ".join(f"{p:>6}" for p in PARTS)
+    unit, scale = ("s", 1) if rows[0]["seconds"] >= 1 else ("ms", 1e3)  # a toy's step: ms
+    head = f"{'layout':38} {'step ' + unit:>7} " + " ".join(f"{p:>6}" for p in PARTS)
     print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")
     for r in rows:
-        parts = " ".join(f"{r['parts'][p]:6.2f}" for p in PARTS)
-        gb = sum(r["memory_gb"].values())
+        parts = " ".join(f"{r['parts'][p] * scale:6.2f}" for p in PARTS)
+        gb, step = sum(r["memory_gb"].values()), r["seconds"] * scale
         money = f"{r['days']:6.1f} {r['mwh']:7.1f} {r['usd'] / 1e6:6.2f}"
-        print(
-            f"{_name(r['layout']):38} {r['seconds']:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}"
-        )
+        print(f"{_name(r['layout']):38} {step:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}")
     memory = [q for q in refused if q.why_not[0].startswith("needs")]
     print(f"refused: {len(memory)} layouts do not fit in memory, {len(refused) - len(memory)} do")
     print("not divide the model, the batch or the GPUs (or are not planned: ZeRO-2/3 with pp)")
@@ -270,8 +261,10 @@ def _why(rows) -> None:
     part = max(gap, key=gap.get)
     ahead = other["seconds"] / best["seconds"] - 1
     print(f"why the best wins: {ahead:.1%} faster than the best on another grid")
-    print(f"({_name(other['layout'])}), most of it in {part}: {best['parts'][part]:.2f} s against")
-    print(f"{other['parts'][part]:.2f} s")
+    unit, scale = ("s", 1) if best["seconds"] >= 1 else ("ms", 1e3)
+    ours, theirs = best["parts"][part] * scale, other["parts"][part] * scale
+    print(f"({_name(other['layout'])}), most of it in {part}: {ours:.2f} {unit} against")
+    print(f"{theirs:.2f} {unit}")
 
 
 def _draw(rows, path: str) -> None:

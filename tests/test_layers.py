@@ -73,6 +73,7 @@ MODULES = {
     "simulate": "composition",
     "plan": "composition",
     "plan_cli": "composition",
+    "calibrate": "composition",
     "testing": "harness",
 }
 

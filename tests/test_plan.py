@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from minidist import cluster, plan, plan_cli
+from minidist import calibrate, cluster, plan, plan_cli
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock
 from minidist.testing import run_threads
@@ -184,24 +184,37 @@ def test_cli_refuses_bad_input_with_the_numbers(args, line, capsys):
     assert code == 2 and line in err, err
 
 
-@pytest.mark.pure
+@pytest.mark.threads  # the block is timed on threads of a ThreadsWorld
 def test_this_machine_from_a_bench_p2p_file(tmp_path, capsys):
     # a link of 5 us and 2 GB/s, as `minidist bench p2p --json` would print it (mpiexec's own
     # lines after the object are skipped)
     rows = [{"nbytes": n, "time_us": 5 + n / 2e3} for n in (1024, 65536, 1 << 20)]
     path = tmp_path / "p2p.json"
     path.write_text(json.dumps({"bench": "p2p", "rows": rows}) + "\nmpiexec noise\n")
-    machine = plan_cli.this_machine(str(path))
-    assert machine.intra.latency == pytest.approx(5e-6, rel=1e-9)
-    assert machine.intra.bandwidth == pytest.approx(2e9, rel=1e-9)
-    assert machine.gpu.peak_flops > 1e6 and machine.gpu.memory > 0
-    toy = ["--layers", "4", "--hidden", "64", "--heads", "4", "--ffn", "256", "--vocab", "256"]
+    machine = calibrate.Machine(str(path), plan.SHAPES["minidist"], repeats=3)
+    assert machine.cluster.intra.latency == pytest.approx(5e-6, rel=1e-9)
+    assert machine.cluster.intra.bandwidth == pytest.approx(2e9, rel=1e-9)
+    assert machine.cluster.gpu.memory > 0 and machine.cluster.gpu.memory_bw > 1e8
+    x = plan.Layout(1, 1, 2, b=2, scatter=False)
+    assert 1e6 < machine.cluster_for(x).gpu.peak_flops < 1e13  # measured once, then kept
+    assert machine.rates == {(2, 2): machine.cluster_for(x).gpu.peak_flops}
+    # the main job's layouts only: no sequence parallelism, no selective recompute; --dp and
+    # --microbatch-size pick; the model is minidist's own unless --model says otherwise
+    picks = ["--dp", "2", "--microbatch-size", "2"]
     code, out, err = run_cli(capsys, "--cluster", "this", "--calibration", str(path), "--gpus",
-                             "2", "--batch", "16", "--seq-len", "64", "--json", *toy)  # fmt: skip
+                             "2", "--batch", "16", "--json", *picks)  # fmt: skip
     assert code == 0, err
-    assert json.loads(out)["cluster"] == "this machine"
+    got = json.loads(out)
+    assert got["cluster"] == "this machine" and got["model"]["name"] == "minidist's GPT"
+    layouts = [row["layout"] for row in got["layouts"]]
+    assert layouts and all(x["dp"] == 2 and x["b"] == 2 and not x["sp"] for x in layouts)
+    assert {x["recompute"] for x in layouts} == {"none", "full"}
+    assert all(not x["scatter"] for x in layouts)  # minidist's pipeline sends whole activations
     code, _, err = run_cli(capsys, "--cluster", "this")
     assert code == 2 and "--cluster this needs --calibration FILE" in err, err
+    code, _, err = run_cli(capsys, "--cluster", "this", "--calibration", str(path), "--model",
+                           "llama-7b")  # fmt: skip
+    assert code == 2 and "no gated MLP (glu=True)" in err, err
 
 
 @pytest.mark.pure
