@@ -35,6 +35,7 @@ import time
 from dataclasses import replace
 
 import torch
+from tqdm import tqdm
 
 from minidist import cluster as clusters
 from minidist import plan
@@ -146,16 +147,15 @@ MEASURED = plan.Efficiency(compute=1.0, network=1.0, overlap=0.0)
 class Machine:
     """This computer, one rank a core: the link of a `minidist bench p2p --json` file, a
     core's copy bandwidth and memory (the RAM's share), and a compute rate per (b, tp) of one
-    shape, measured when a layout first asks (block_rate)."""
+    shape, measured once each (block_rate: all the layout's ranks at once)."""
 
     def __init__(self, path: str, shape: plan.Shape, repeats: int = 21):
         with open(path) as f:
             rows = json.loads(f.readline())["rows"]  # the object is one line; mpiexec may add more
         cores = os.cpu_count() or 1
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        base = clusters.this_machine(
-            clusters.calibrated(rows), float("inf"), cores
-        )  # rated per layout
+        link = clusters.calibrated(rows)
+        base = clusters.this_machine(link, float("inf"), cores)  # the rate: per layout
         gpu = replace(base.gpu, memory=ram / cores, memory_bw=copy_bandwidth())
         self.cluster, self.shape, self.repeats = replace(base, gpu=gpu), shape, repeats
         self.rates: dict[tuple[int, int], float] = {}
@@ -164,13 +164,8 @@ class Machine:
         """The cluster whose core runs at the rate measured for this layout's (b, tp)."""
         key = (layout.b, layout.tp)
         if key not in self.rates:
-            world = layout.dp * layout.pp * layout.tp
-            print(
-                f"timing the block at b={layout.b}, tp={layout.tp} on {world} ranks",
-                file=sys.stderr,
-            )
-            bw = self.cluster.gpu.memory_bw
-            self.rates[key] = block_rate(self.shape, layout.b, layout.tp, world, bw, self.repeats)
+            world, bw = layout.dp * layout.pp * layout.tp, self.cluster.gpu.memory_bw
+            self.rates[key] = block_rate(self.shape, *key, world, bw, self.repeats)
         return replace(self.cluster, gpu=replace(self.cluster.gpu, peak_flops=self.rates[key]))
 
     def measured(self) -> dict:
@@ -194,6 +189,10 @@ class Machine:
 
         shape, base = self.shape, self.cluster
         ok, refused = plan.search(shape, base, gpus, batch, MEASURED, False, runs, 4, False)
+        first = {(q.layout.b, q.layout.tp): q.layout for q in ok}  # one per rate to measure
+        quiet = not sys.stderr.isatty()
+        for x in tqdm(first.values(), "timing the block per (b, tp)", disable=quiet, leave=False):
+            self.cluster_for(x)
         ok = [self._priced(q.layout, gpus, batch) for q in ok]
         return sorted(ok, key=lambda q: q.seconds), refused
 
