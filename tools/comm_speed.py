@@ -107,6 +107,7 @@ def measure(comm, nbytes: int) -> dict[str, float]:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
     comm = minidist.init()
     if comm.world_size != 2:
         raise SystemExit(f"run with -n 2 (world_size={comm.world_size})")
