@@ -62,6 +62,15 @@ TORCH_DDP = ("r00", "r01", "r02", "r03")
 # inference schedule, nothing interleaved).
 NO_INTERLEAVING = ("s22", "b22", "x22")
 
+# Whose models train without dropout, so no layer keeps a dropout mask for backward (torch's
+# dropout at p = 0 returns its input): GPT-NeoX-20B (configs/20B.yml: "hidden-dropout": 0,
+# "attention-dropout": 0); MosaicML's MPT (llm-foundry's MPTConfig defaults attn_pdrop,
+# resid_pdrop and emb_pdrop to 0.0, and the benchmarked yamls set none of them); Llama (the
+# released model code, meta-llama/llama llama/model.py, has no dropout layer, and the paper
+# names none). Megatron-LM's and Megatron-DeepSpeed's runs keep their default of 0.1 (BLOOM's
+# tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
+NO_DROPOUT = ("x22", "m23", "d24")
+
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
     "L24h2304": (24, 2304, 24, 24, 9216, False, 51200, 2048),
