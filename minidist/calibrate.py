@@ -14,7 +14,8 @@ What is measured, none of it a training step:
            rank runs it, every rank of the layout running at once as threads (they share the
            memory: a second matmul loop beside one slowed it 9%), one torch thread in all;
            its FLOPs as plan.Shape counts them (the layer's matmuls and attention scores, 1/tp
-           of them) over the slowest rank's median CPU seconds, less the elementwise bytes at
+           of them) over the slowest rank's median CPU seconds (of 21 passes, fewer where they
+           would take more than BUDGET_SECONDS), less the elementwise bytes at
            the copy bandwidth. The LayerNorms, GELU, softmax (exp, erf: more than memory
            traffic on a CPU), torch's per-op overhead and a tp slice's smaller matmuls stay in
            that rate, which a bare matmul leaves out (a 256 x 256 matmul ran 20-60% faster a
@@ -41,6 +42,8 @@ from minidist import cluster as clusters
 from minidist import plan
 from minidist.comm.threads import ThreadsWorld
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock, TransformerBlock
+
+BUDGET_SECONDS = 2.0  # about the CPU a rank spends timing one block: 3 to `repeats` passes
 
 
 def copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
@@ -114,7 +117,11 @@ def _block_seconds(comm, tp: int, shape: plan.Shape, b: int, repeats: int) -> fl
     block = TransformerBlock(shape.hidden, shape.heads, shape.ffn)
     block = ParallelTransformerBlock.from_full(block, tp_comm)
     x = torch.randn(b, shape.seq, shape.hidden, requires_grad=True)  # (b, s, h)
+    start = time.thread_time()
     block(x).sum().backward()  # the first call allocates: not timed
+    first = torch.tensor([time.thread_time() - start], dtype=torch.float64)
+    comm.all_reduce(first, "max")  # one count on every rank: a tp group meets in every pass
+    repeats = max(3, min(repeats, int(BUDGET_SECONDS / first.item())))  # a large block: fewer
     return _cpu_median(lambda: block(x).sum().backward(), repeats)
 
 
