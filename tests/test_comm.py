@@ -187,7 +187,8 @@ def test_bad_world_and_rank_are_refused():
 def test_gloo_frames_and_bulks_never_share_a_wire_tag():
     """A frame's tag carries its size class, a bulk's its exact size, in disjoint codes: Gloo
     aborts on a message larger than its buffer, so a bulk must only ever meet its own size."""
-    sizes = [0, 1, 1000, (1 << 16) - 1, 1 << 16, (1 << 16) + 4, 80004, 1 << 26, (1 << 40) + 3]
+    big = frames.BULK_BYTES
+    sizes = [0, 1, 1000, big - 1, big, big + 4, big + 80004, 1 << 26, (1 << 40) + 3]
     assert [frames.bulk_bytes(n) for n in sizes[:4]] == [0, 0, 0, 0]
     for n in sizes[4:]:
         bulk = frames.bulk_bytes(n)

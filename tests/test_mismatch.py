@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from minidist.comm import torchdist
+from minidist.comm import frames, torchdist
 from minidist.comm.protocol import CommError
 from minidist.launch import _torch_env
 from minidist.testing import impl, run_ranks
@@ -54,6 +54,9 @@ def collective_drills(comm) -> dict[str, str]:
     }
 
 
+BULK = frames.BULK_BYTES // 4  # float32 elements from which gloo sends a bulk beside the frame
+
+
 def message_drills(comm) -> dict[str, str]:
     """Messages between ranks 0 and 1 (on a comm of their own) whose buffers disagree."""
     pair = comm.split(int(comm.rank < 2))
@@ -62,12 +65,16 @@ def message_drills(comm) -> dict[str, str]:
         ("int32 into float32", torch.ones(4, dtype=torch.int32), torch.zeros(4)),
         ("4 into 6", torch.ones(4), torch.zeros(6)),
         ("6 into 4", torch.ones(6), torch.zeros(4)),
-        # 64 KiB and more: gloo sends the bulk beside the frame, straight from and into storage
-        ("bulk 16385 into 16386", torch.ones(16385), torch.zeros(16386)),
+        # 1 MiB and more: gloo sends the bulk beside the frame, straight from and into storage
+        ("bulk 262145 into 262146", torch.ones(BULK + 1), torch.zeros(BULK + 2)),
     ]
     if comm.backend == "gloo":  # (an MPI send this large waits for a receive of its dtype)
         cases.append(
-            ("bulk int32 into float32", torch.ones(16385, dtype=torch.int32), torch.zeros(16385))
+            (
+                "bulk int32 into float32",
+                torch.ones(BULK + 1, dtype=torch.int32),
+                torch.zeros(BULK + 1),
+            )
         )
     for name, send, recv in cases:
         sub = pair.split(0)  # a fresh comm per case: an unmatched message stays behind
@@ -76,8 +83,8 @@ def message_drills(comm) -> dict[str, str]:
         elif comm.rank == 1:
             seen[name] = attempt(lambda sub=sub, recv=recv: sub.recv(recv, 0))
     sub = pair.split(0)  # an odd size, both sides transposed (not contiguous): bulk, then rest
-    sent = torch.arange(20001.0).reshape(3, 6667).t()
-    got = torch.zeros(3, 6667).t()
+    sent = torch.arange(3.0 * 87382).reshape(3, 87382).t()  # 1 MiB + 8 bytes
+    got = torch.zeros(3, 87382).t()
     if comm.rank == 0:
         seen["bulk exact"] = attempt(lambda: sub.send(sent, 1))
     elif comm.rank == 1:
@@ -152,11 +159,11 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
         assert stale and int(stale[1]) == int(stale[2]) + 1, s["stale"]  # the one never received
     receiver = seen[1]
     assert "int32" in receiver["int32 into float32"] and "float32" in receiver["int32 into float32"]
-    bulk = receiver.get("bulk int32 into float32", "16385 x torch.int32 16385 x torch.float32")
-    assert "16385 x torch.int32" in bulk and "16385 x torch.float32" in bulk, bulk
-    bigger = receiver["bulk 16385 into 16386"]
-    assert "16386 x torch.float32" in bigger, bigger
-    for name in ("int32 into float32", "4 into 6", "6 into 4", "bulk 16385 into 16386"):
+    bulk = receiver.get("bulk int32 into float32", "262145 x torch.int32 262145 x torch.float32")
+    assert "262145 x torch.int32" in bulk and "262145 x torch.float32" in bulk, bulk
+    bigger = receiver["bulk 262145 into 262146"]
+    assert "262146 x torch.float32" in bigger, bigger
+    for name in ("int32 into float32", "4 into 6", "6 into 4", "bulk 262145 into 262146"):
         assert receiver[name].startswith("CommError: rank 1 of 2"), (name, receiver[name])
     assert seen[0]["bulk exact"] == seen[1]["bulk exact"] == "ok", (seen[0], seen[1])
     far = receiver["4 into 40"]
