@@ -16,7 +16,7 @@ itself reports a message of another size (`Get_count`, truncation). A receive th
 a message with its tag but another dtype is pending says so (probed in the slow phase of the
 wait). Every collective starts by agreeing on its signature (`_agree`, protocol.agree): one
 all-gather of a fixed-size row per rank, the signature's text and, for a payload of at most
-FUSED_BYTES, the payload itself, which is then folded locally (one collective in all); a larger
+fused_bytes, the payload itself, which is then folded locally (one collective in all); a larger
 payload follows in the library's own collective.
 
 Per message, only what a small message can afford: mpi4py is handed the tensor's address
@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from .agreement import SLOT_BYTES, agree, finish_fused, signature
+from .agreement import agree, finish_fused, signature, slot_bytes
 from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
@@ -143,6 +143,7 @@ class MPIComm(Blocking):
     """A `Comm` over an mpi4py communicator (COMM_WORLD by default)."""
 
     backend = "mpi"
+    fused_bytes = 1024  # a payload this small rides in the agreement (agreement.py): 1 KiB here
 
     def __init__(self, mpi_comm=None, timeout: float = DEFAULT_TIMEOUT):
         MPI = _mpi()
@@ -236,7 +237,7 @@ class MPIComm(Blocking):
         self.seq += 1
         rows = self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})", t)
         if rows is not None:
-            finish_fused(rows, "all_reduce", t, op)
+            finish_fused(self, rows, "all_reduce", t, op)
             return DoneWork()
         host, rows = self._host(t), None
         mpi_type = _native_type(t.dtype)
@@ -265,7 +266,7 @@ class MPIComm(Blocking):
         sig = signature("reduce_scatter", inp, op=op)
         rows = self._agree(sig, f"reduce_scatter(op={op})", inp)
         if rows is not None:
-            finish_fused(rows, "reduce_scatter", out, op, rank=self.rank)
+            finish_fused(self, rows, "reduce_scatter", out, op)
             return DoneWork()
         src, dst, rows = self._host(inp), self._host(out), None
         mpi_type = _native_type(inp.dtype)
@@ -295,7 +296,7 @@ class MPIComm(Blocking):
         self.seq += 1
         rows = self._agree(signature("all_gather", inp), "all_gather", inp)
         if rows is not None:
-            finish_fused(rows, "all_gather", out)
+            finish_fused(self, rows, "all_gather", out)
             return DoneWork()
         src, dst = self._host(inp), self._host(out)
         req = self.mpi_comm.Iallgather(_buffer(src), _buffer(dst))
@@ -307,7 +308,7 @@ class MPIComm(Blocking):
         self.seq += 1
         rows = self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})", t)
         if rows is not None:
-            finish_fused(rows, "broadcast", t, src=src)
+            finish_fused(self, rows, "broadcast", t, src=src)
             return DoneWork()
         host = self._host(t)
         req = self.mpi_comm.Ibcast(_buffer(host), root=src)
@@ -322,7 +323,7 @@ class MPIComm(Blocking):
         """protocol.agree over MPI, which would match the payloads by order alone."""
 
         def gather(row: bytes) -> bytearray:
-            rows = bytearray(self.world_size * SLOT_BYTES)
+            rows = bytearray(self.world_size * slot_bytes(self))
             MPI = _mpi()
             req = self.mpi_comm.Iallgather([row, MPI.BYTE], [rows, MPI.BYTE])
             _RequestWork(self, req, what, self.seq).wait()

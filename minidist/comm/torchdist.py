@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import frames
-from .agreement import SLOT_BYTES, agree, finish_fused, signature
+from .agreement import agree, finish_fused, signature, slot_bytes
 from .protocol import (
     DEFAULT_TIMEOUT,
     Blocking,
@@ -174,6 +174,8 @@ class _TorchWork:
 class TorchDistComm(Blocking):
     """A `Comm` over a torch.distributed process group (None = the default group)."""
 
+    fused_bytes = 16384  # rides in the agreement (agreement.py): a Gloo collective costs 100s of us
+
     def __init__(self, group, backend: str, device: torch.device, timeout=DEFAULT_TIMEOUT):
         self.group = group
         self.backend = backend
@@ -293,7 +295,7 @@ class TorchDistComm(Blocking):
         self.seq += 1
         rows = self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})", t)
         if rows is not None:
-            finish_fused(rows, "all_reduce", t, op)
+            finish_fused(self, rows, "all_reduce", t, op)
             return DoneWork()
         dense = self._dense(t)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
@@ -313,7 +315,7 @@ class TorchDistComm(Blocking):
         sig = signature("reduce_scatter", inp, op=op)
         rows = self._agree(sig, f"reduce_scatter(op={op})", inp)
         if rows is not None:
-            finish_fused(rows, "reduce_scatter", out, op, rank=self.rank)
+            finish_fused(self, rows, "reduce_scatter", out, op)
             return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
@@ -333,7 +335,7 @@ class TorchDistComm(Blocking):
         self.seq += 1
         rows = self._agree(signature("all_gather", inp), "all_gather", inp)
         if rows is not None:
-            finish_fused(rows, "all_gather", out)
+            finish_fused(self, rows, "all_gather", out)
             return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src)
@@ -344,7 +346,7 @@ class TorchDistComm(Blocking):
         self.seq += 1
         rows = self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})", t)
         if rows is not None:
-            finish_fused(rows, "broadcast", t, src=src)
+            finish_fused(self, rows, "broadcast", t, src=src)
             return DoneWork()
         dense = self._dense(t)
         work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src))
@@ -359,7 +361,7 @@ class TorchDistComm(Blocking):
 
         def gather(row: bytes):
             mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
-            rows = torch.empty(self.world_size * SLOT_BYTES, dtype=torch.uint8, device=self.device)
+            rows = mine.new_empty(self.world_size * slot_bytes(self))  # (p * slot,) bytes
             work = self._issue(what, None, _all_gather_flat, rows, mine)
             _TorchWork(self, [work], what, self.seq).wait()
             return rows.cpu().numpy()
