@@ -160,6 +160,19 @@ def test_cli_table_json_and_png(tmp_path, capsys):
 
 
 @pytest.mark.pure
+def test_cli_flags_pick_layouts_and_no_chunks_without_a_pipeline(capsys):
+    picks = ("--dp", "16", "--tp", "2", "--microbatch-size", "2", "--chunks", "1")
+    code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--json", *picks)
+    assert code == 0, err
+    layouts = [row["layout"] for row in json.loads(out)["layouts"]]
+    assert layouts and all((x["dp"], x["tp"], x["b"], x["v"]) == (16, 2, 2, 1) for x in layouts)
+    assert {x["pp"] for x in layouts} == {2}  # 64 GPUs = dp 16 x pp 2 x tp 2
+    every = list(plan.layouts(plan.SHAPES["llama-7b"], cluster.preset("dgx-h100"), 64, 512))
+    assert all(x.v == 1 for x in every if x.pp == 1)  # chunks of one stage interleave nothing
+    assert {x.v for x in every if x.pp > 1} == {1, 2, 4}
+
+
+@pytest.mark.pure
 def test_the_command_runs_as_minidist_plan():
     command = [sys.executable, "-m", "minidist.cli", "plan", "--model", "llama-7b", "--gpus", "8"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
