@@ -159,8 +159,6 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
         found.append(f"interleaving needs microbatches={m} divisible by pp={x.pp}")
     if x.sp and x.tp == 1:
         found.append("sequence parallelism needs tp > 1")
-    if x.zero >= 2 and x.pp > 1:  # as DeepSpeed: a pipeline would shard gradients per microbatch
-        found.append(f"ZeRO-{x.zero} with a pipeline (pp={x.pp}) is not planned: use ZeRO-1")
     return found
 
 

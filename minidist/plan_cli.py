@@ -247,7 +247,7 @@ def _print(shape, cluster, args, rows, refused) -> None:
         print(f"{_name(r['layout']):38} {step:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}")
     memory = [q for q in refused if q.why_not[0].startswith("needs")]
     print(f"refused: {len(memory)} layouts do not fit in memory, {len(refused) - len(memory)} do")
-    print("not divide the model, the batch or the GPUs (or are not planned: ZeRO-2/3 with pp)")
+    print("not divide the model, the batch or the GPUs")
 
 
 def _why(rows) -> None:

@@ -108,7 +108,7 @@ def test_problems_name_the_numbers():
     few = plan.problems(GPT3, plan.Layout(dp=1, pp=64, tp=4, v=2), gpus=256, batch=64)
     assert few == ["layers=96 are fewer than pp=64 x v=2 stages"]
     assert "batch=100 is not divisible by dp=3 x b=4" in found
-    assert "ZeRO-2 with a pipeline (pp=5) is not planned: use ZeRO-1" in found
+    assert not any("ZeRO" in line for line in found)  # ZeRO-2/3 with a pipeline are planned
 
 
 @pytest.mark.pure

@@ -6,8 +6,10 @@ reports it (memory.py's storages: parameters, gradients, optimizer state; the ac
 autograd saved, at their peak). The plan sees the same shape and layout in float32 (e=4).
 Bytes: the first stage's ring bytes on each dimension equal plan.sent_nbytes to the byte, given
 the rank's parameter count (the plan's own count leaves out biases, norms and positions), once
-the job's bookkeeping is taken off (the 8-byte loss and a flag per parameter tensor on dp, a
-64-byte header on pp, the cross-entropy's three floats per token on tp). Memory: the plan
+the job's bookkeeping is taken off (the 8-byte loss and a flag per parameter tensor on dp, with
+each microbatch's reduce-scatter for ZeRO-2, a 64-byte header on pp, the cross-entropy's three
+floats per token on tp). Layouts: dp x tp with ZeRO 0 and 2, dp x pp x tp with ZeRO 0 to 3 (a
+pipeline with ZeRO-2 or 3 shards or gathers every microbatch, as sent_nbytes says). Memory: the plan
 within 10% of the measured total (ZeRO-3: of the model state; see the test). Step time is not
 a test (it is this machine's): tools/plan_validate.py measures it.
 """
@@ -71,7 +73,7 @@ def one_step(comm, config: TrainConfig) -> dict:
     }
 
 
-LAYOUTS = [(2, 1, 2, 0), (2, 2, 2, 0), (2, 2, 2, 3)]
+LAYOUTS = [(2, 1, 2, 0), (2, 1, 2, 2), (2, 2, 2, 0), (2, 2, 2, 1), (2, 2, 2, 2), (2, 2, 2, 3)]
 
 
 @pytest.mark.parametrize("dp,pp,tp,zero", LAYOUTS)
@@ -86,7 +88,8 @@ def test_plan_bytes_and_memory_are_the_main_jobs(dp, pp, tp, zero):
             continue  # the plan describes the first stage
         want = plan.sent_nbytes(SHAPE, x, config.batch, e=4, psi=got["numel"])
         ring = 2 * (dp - 1) / dp
-        flags = 0 if zero == 3 else ring * (8 + 4 * got["tensors"])  # the loss, the flags
+        # the loss and a "used" flag per tensor (ZeRO-2: with every microbatch's reduce-scatter)
+        flags = 0 if zero == 3 else ring * (8 + 4 * got["tensors"] * (4 if zero == 2 else 1))
         sent = dict(got["sent"], pp=got["sent"]["pp"] - (64 if pp > 1 else 0))  # the header
         if pp == 1:  # the last stage too: the cross-entropy's max, target logit and sum of exps
             sent["tp"] -= 4 * 3 * 2 * 16 * 4 * 2 * (tp - 1) / tp  # m b T values of 4 bytes
