@@ -309,12 +309,16 @@ def test_bytes_per_dimension_equal_the_formulas(options):
 
 
 @pytest.mark.threads
-def test_cp_bytes_with_experts_add_their_gradients():
+@pytest.mark.parametrize("layout", [dict(dp=2, ep=2, cp=2), dict(dp=4, ep=2), dict(dp=2)])
+def test_dp_and_cp_bytes_with_experts_are_the_formulas(layout):
     """With experts, cp_comm also carries the routers' and experts' gradient sums: the ring's
-    bytes plus their elements x 8 (float64), as predicted_nbytes says."""
-    config = TrainConfig(dp=2, ep=2, cp=2, batch=4, model=MOE, **F64)
-    for rank, (sent, formula) in enumerate(run_threads(counted_bytes, 4, config)):
-        assert sent["cp"] == formula["cp"], (rank, sent, formula)
+    bytes plus their elements x 8 (float64); dp every gradient a rank holds once, and the loss,
+    as predicted_nbytes says (ep: the all-to-alls carry what the routers decide: no formula)."""
+    config = TrainConfig(**layout, batch=8, model=MOE, **F64)
+    world = config.dp * config.cp
+    for rank, (sent, formula) in enumerate(run_threads(counted_bytes, world, config)):
+        assert sent["dp"] == formula["dp"], (rank, sent, formula)
+        assert config.cp == 1 or sent["cp"] == formula["cp"], (rank, sent, formula)
 
 
 # ---- processes ------------------------------------------------------------------------------
