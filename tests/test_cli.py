@@ -175,3 +175,21 @@ def test_a_diverging_run_fails_with_a_message(tmp_path):
     flags += f" --seq-len 8 --batch 2 --microbatches 1 --json --out {tmp_path}"
     with pytest.raises(FloatingPointError, match=r"step \d: the loss is nan: training diverged"):
         train_cli.rank_main(flags.split())
+
+
+@pytest.mark.pure
+def test_the_progress_bar_is_for_a_terminal(monkeypatch):
+    """A log gets no line of carriage returns: the parent tells the ranks whether its stderr is
+    a terminal (MINIDIST_PROGRESS); by hand (mpiexec, nothing set) the bar shows."""
+    config = TrainConfig(steps=3)
+    monkeypatch.setenv("MINIDIST_PROGRESS", "0")
+    assert train_cli._progress(config, True, 0) is None
+    for value in ("1", None):
+        if value is None:
+            monkeypatch.delenv("MINIDIST_PROGRESS")
+        else:
+            monkeypatch.setenv("MINIDIST_PROGRESS", value)
+        bar = train_cli._progress(config, True, 0)
+        assert bar is not None and bar.total == 3
+        bar.close()
+    assert train_cli._progress(config, False, 0) is None  # not rank 0, or --json

@@ -6,20 +6,20 @@
 
 The parent (`minidist train`) checks the layout and the model's shape before any process
 starts, then starts dp*pp*cp*tp ranks of this module (--ep shares out --experts over dp);
-every rank trains (train.py); rank 0 shows a progress bar (loss, tokens/s) and at the end
+every rank trains (train.py); rank 0 shows a progress bar (loss, tokens/s; where the parent's
+stderr is a terminal or MINIDIST_PROGRESS=1: a log gets no line of carriage returns), at the end
 prints: per-rank memory, bytes sent per dimension (dp/pp/tp, and cp/ep when used: payload per
 step from a Counter on each sub-comm, beside the formula of train.predicted_nbytes), the
 measured pipeline bubble (the last step's compute spans) beside the formula, throughput; and
 writes into --out: loss.png, pipeline.png, trace.json (open in ui.perfetto.dev). --check then
 trains the same run in one process (in rank 0's) and reports the largest relative difference
 of the loss curve and of the final parameters.
---json prints one object instead of the tables (and no bar). Checkpoints (resume.py): --save DIR
-writes DIR/step-NNNNNNN.pt at the end (and every --save-every steps; at --stop-at STEP, which
-ends the run early, as before a time limit); --resume PATH (a file, or a folder: its newest)
-continues from one, in any layout of the same model.
-
-The --json object holds rank 0's wall-clock and CPU seconds of each step (step_seconds,
-step_cpu_seconds; the first step includes the warm-up), for step-time benchmarks.
+--json prints one object instead of the tables (and no bar), with rank 0's wall-clock and CPU
+seconds of each step (step_seconds, step_cpu_seconds; the first includes the warm-up).
+Checkpoints (resume.py): --save DIR writes DIR/step-NNNNNNN.pt at the end (and every
+--save-every steps; at --stop-at STEP, which ends the run early, as before a time limit);
+--resume PATH (a file, or a folder: its newest) continues from one, in any layout of the same
+model.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
     argv = to_argv(args)
     n = config.layout.world_size
     linger = math.inf if args.check else None  # --check: rank 0 trains alone after the rest
+    os.environ.setdefault("MINIDIST_PROGRESS", str(int(sys.stderr.isatty())))  # for the ranks
     env = {"OMP_NUM_THREADS": "1"}  # processes: one core per rank, ranks share this machine
     return start_ranks(__name__, argv, n, args.backend, "minidist train", env=env, linger=linger)
 
@@ -226,7 +227,7 @@ def _now() -> float:
 
 
 def _progress(config: TrainConfig, show: bool, first: int):
-    if not show:
+    if not show or os.environ.get("MINIDIST_PROGRESS") == "0":  # by hand (mpiexec): shown
         return None
     from tqdm import tqdm
 
