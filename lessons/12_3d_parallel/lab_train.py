@@ -286,8 +286,8 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     the shard in the compute dtype, all-reduces the P_s flags (master dtype); 8 for the loss.
     cp > 1: n = b T / cp tokens, dp counts dp x cp ranks; cp per microbatch and block: ring
     attention's 2 (cp-1) + 2 (2cp-1) messages of a / tp (k|v on, then k|v and dk|dv), the
-    forward's again when recomputed, and with experts the gradients of the routers and experts
-    (f each: replicas.ExpertReplicas); dp and ep then: None. Keys: dp, pp, tp, cp/ep if > 1."""
+    forward's again when recomputed, and with experts the routers' and experts' gradients (f
+    each); dp then moe.dp_nbytes, ep None (routed: no formula). Keys: dp, pp, tp, cp/ep if > 1."""
     c, (_, s, _) = job.config, job.mesh.coords
     m = c.microbatches
     e = c.precision.compute.itemsize  # bytes of an activation element
@@ -299,7 +299,7 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
     blocks = sum(1 for i in sum(job.layer_ids, []) if 1 <= i <= c.model.n_layers)
     ring = 2 * (c.cp - 1) * (2 if c.checkpointing else 1) + 2 * (2 * c.cp - 1)
     found = {
-        "dp": None if c.model.experts else _dp_nbytes(c, params, e, f),
+        "dp": moe.dp_nbytes(params, f) if c.model.experts else _dp_nbytes(c, params, e, f),
         "pp": _pp_nbytes(c, s, m * a),
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
     }
