@@ -63,8 +63,7 @@ def block_rate(
     queries) or the block ran faster than its elementwise bytes allow."""
     if problems(shape):
         raise ValueError(problems(shape)[0])
-    s, h = shape.seq, shape.hidden
-    flops = b * s * 3 * (2 * shape.layer_params() + 4 * s * h) / tp  # one layer's, 1/tp
+    flops = 3 * b * shape.seq * shape.layers_flops_per_token() / shape.layers / tp  # a layer
     one = plan.Layout(1, 1, tp, b=b)
     memory = plan.elementwise_nbytes(shape, one, False, 4) / shape.layers / memory_bw
     with one_thread():
@@ -90,7 +89,7 @@ def problems(shape: plan.Shape) -> list[str]:
 
 def _on_threads(world: int, tp: int, shape: plan.Shape, b: int, repeats: int) -> list[float]:
     """Each of `world` ranks' median CPU seconds of its block slice, all running at once."""
-    threads_world, results, errors = ThreadsWorld(world, timeout=600.0), [0.0] * world, []
+    threads_world, results, errors = ThreadsWorld(world), [0.0] * world, []  # default timeout
 
     def rank_main(r: int) -> None:
         try:
@@ -113,7 +112,7 @@ def _block_seconds(comm, tp: int, shape: plan.Shape, b: int, repeats: int) -> fl
     """This rank's median CPU seconds of its slice of a block, forward and backward, on the tp
     group of its neighbours (as the mesh puts tp ranks: adjacent)."""
     tp_comm = comm.split(comm.rank // tp)
-    torch.manual_seed(0)  # the weights do not change the time; the same on every run
+    # the weights and inputs do not change the time (threads share torch's generator)
     block = TransformerBlock(shape.hidden, shape.heads, shape.ffn)
     block = ParallelTransformerBlock.from_full(block, tp_comm)
     x = torch.randn(b, shape.seq, shape.hidden, requires_grad=True)  # (b, s, h)

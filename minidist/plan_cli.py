@@ -18,7 +18,8 @@ refused for which reason. Bad input is refused with one line per reason (exit 2)
 B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
 own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
 seconds), its memory the RAM's share; the layouts are those `minidist train` runs, priced as it
-runs them (float32, no overlap); the model defaults to minidist's GPT (train's defaults).
+runs them (float32, no overlap), MFU of the measured rate; the model defaults to minidist's
+GPT (train's defaults).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from minidist import cluster as clusters
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
 ONLY = ("dp", "pp", "tp", "microbatch_size", "chunks")  # the --flags that pick layouts
+POSITIVE = ("gpus", "batch", "top", "layers", "hidden", "heads", "ffn", "vocab", "seq_len", *ONLY)
 
 
 def add_parser(sub) -> None:
@@ -76,18 +78,7 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append(f"--calibration {args.calibration}: no such file")
     elif args.cluster not in clusters.PRESETS and args.cluster != "this":
         found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
-    for flag in (
-        "gpus",
-        "batch",
-        "top",
-        "layers",
-        "hidden",
-        "heads",
-        "ffn",
-        "vocab",
-        "seq_len",
-        *ONLY,
-    ):
+    for flag in POSITIVE:
         value = getattr(args, flag)
         if value is not None and value < 1:
             found.append(f"--{flag.replace('_', '-')}={value} must be at least 1")
@@ -125,8 +116,9 @@ def derived_shape(args) -> plan.Shape:
 
 
 def _allowed(args, layout: plan.Layout) -> bool:
-    sizes = {"microbatch_size": layout.b, "chunks": layout.v}
-    picked = all(getattr(args, f) in (None, sizes.get(f, getattr(layout, f, None))) for f in ONLY)
+    x = layout
+    value = {"dp": x.dp, "pp": x.pp, "tp": x.tp, "microbatch_size": x.b, "chunks": x.v}
+    picked = all(getattr(args, f) in (None, value[f]) for f in ONLY)
     return (
         picked
         and (args.recompute is None or layout.recompute == args.recompute)

@@ -66,7 +66,7 @@ def message_drills(comm) -> dict[str, str]:
         ("4 into 6", torch.ones(4), torch.zeros(6)),
         ("6 into 4", torch.ones(6), torch.zeros(4)),
         # 1 MiB and more: gloo sends the bulk beside the frame, straight from and into storage
-        ("bulk 262145 into 262146", torch.ones(BULK + 1), torch.zeros(BULK + 2)),
+        ("bulk n into n + 1", torch.ones(BULK + 1), torch.zeros(BULK + 2)),
     ]
     if comm.backend == "gloo":  # (an MPI send this large waits for a receive of its dtype)
         cases.append(
@@ -83,8 +83,9 @@ def message_drills(comm) -> dict[str, str]:
         elif comm.rank == 1:
             seen[name] = attempt(lambda sub=sub, recv=recv: sub.recv(recv, 0))
     sub = pair.split(0)  # an odd size, both sides transposed (not contiguous): bulk, then rest
-    sent = torch.arange(3.0 * 87382).reshape(3, 87382).t()  # 1 MiB + 8 bytes
-    got = torch.zeros(3, 87382).t()
+    cols = BULK // 3 + 1  # 3 cols floats: the bulk, then 8 bytes more
+    sent = torch.arange(3.0 * cols).reshape(3, cols).t()
+    got = torch.zeros(3, cols).t()
     if comm.rank == 0:
         seen["bulk exact"] = attempt(lambda: sub.send(sent, 1))
     elif comm.rank == 1:
@@ -159,11 +160,12 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
         assert stale and int(stale[1]) == int(stale[2]) + 1, s["stale"]  # the one never received
     receiver = seen[1]
     assert "int32" in receiver["int32 into float32"] and "float32" in receiver["int32 into float32"]
-    bulk = receiver.get("bulk int32 into float32", "262145 x torch.int32 262145 x torch.float32")
-    assert "262145 x torch.int32" in bulk and "262145 x torch.float32" in bulk, bulk
-    bigger = receiver["bulk 262145 into 262146"]
-    assert "262146 x torch.float32" in bigger, bigger
-    for name in ("int32 into float32", "4 into 6", "6 into 4", "bulk 262145 into 262146"):
+    n = BULK + 1
+    bulk = receiver.get("bulk int32 into float32", f"{n} x torch.int32 {n} x torch.float32")
+    assert f"{n} x torch.int32" in bulk and f"{n} x torch.float32" in bulk, bulk
+    bigger = receiver["bulk n into n + 1"]
+    assert f"{n + 1} x torch.float32" in bigger, bigger
+    for name in ("int32 into float32", "4 into 6", "6 into 4", "bulk n into n + 1"):
         assert receiver[name].startswith("CommError: rank 1 of 2"), (name, receiver[name])
     assert seen[0]["bulk exact"] == seen[1]["bulk exact"] == "ok", (seen[0], seen[1])
     far = receiver["4 into 40"]

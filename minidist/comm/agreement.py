@@ -26,8 +26,8 @@ SIG_BYTES = 160  # a signature's text travels in this many bytes
 # 16, so any dtype views a row) travels inside its agreement (see agree): one all-gather of
 # slot_bytes(comm) a rank, no second collective. Each backend sets its own, where a second
 # collective costs more than carrying the room in every agreement: mpi 1 KiB (a collective
-# costs microseconds), gloo 16 KiB (hundreds: 4 KiB all-reduces took 0.46-0.53x the raw call's
-# time with 1 KiB, 0.82-0.85x with 16 KiB; mpi's 1 KiB went from 11.4 to 17.1 us with 16 KiB)
+# costs microseconds), gloo 16 KiB (hundreds: 4-16 KiB all-reduces ran at 0.46-0.59x the raw
+# call's speed with 1 KiB, 0.61-1.11x with 16 KiB; mpi's 1 KiB went from 11.4 to 17.1 us with 16)
 
 
 def slot_bytes(comm) -> int:

@@ -174,7 +174,7 @@ class _TorchWork:
 class TorchDistComm(Blocking):
     """A `Comm` over a torch.distributed process group (None = the default group)."""
 
-    fused_bytes = 16384  # rides in the agreement (agreement.py): a Gloo collective costs 100s of us
+    fused_bytes = 16384  # rides in the agreement (agreement.py): gloo's choice; nccl shares it
 
     def __init__(self, group, backend: str, device: torch.device, timeout=DEFAULT_TIMEOUT):
         self.group = group
