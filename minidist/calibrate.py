@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from minidist import cluster as clusters
-from minidist import plan
+from minidist import plan, plan_search
 from minidist.comm.threads import ThreadsWorld
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock, TransformerBlock
 
@@ -185,7 +185,7 @@ class Machine:
         }
 
     def search(self, gpus: int, batch: int, allowed=None) -> tuple[list, list]:
-        """plan.search on this machine as `minidist train` runs: float32 (e = 4), attention
+        """plan_search.search on this machine as `minidist train` runs: float32 (e = 4), attention
         that keeps its scores, whole activations between stages (no scatter), no sequence
         parallelism or selective recompute (the job has neither: --checkpointing is full),
         MEASURED efficiencies; every layout that fits priced at its own (b, tp)'s rate."""
@@ -194,7 +194,7 @@ class Machine:
             return not x.sp and x.recompute != "selective" and (allowed is None or allowed(x))
 
         shape, base = self.shape, self.cluster
-        ok, refused = plan.search(shape, base, gpus, batch, MEASURED, False, runs, 4, False)
+        ok, refused = plan_search.search(shape, base, gpus, batch, MEASURED, False, runs, 4, False)
         first = {(q.layout.b, q.layout.tp): q.layout for q in ok}  # one per rate to measure
         quiet = not sys.stderr.isatty()
         for x in tqdm(first.values(), "timing the block per (b, tp)", disable=quiet, leave=False):

@@ -16,7 +16,9 @@ Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam)
                   s b h (34 + 5 a s/h)/t; selective recompute drops the 5 a s/h term; full
                   recompute keeps 2 s b h (/t with sp) per layer. The first stage of 1F1B holds
                   min(pp, m) microbatches of L/pp layers, x (1 + (pp-1)/(pp v)) interleaved
-                  (Narayanan et al., SC 2021, section 2.2.2).
+                  (Narayanan et al., SC 2021, section 2.2.2); with ends (Llama 3's pipeline:
+                  the embedding and the head fill a layer's slot each, Dubey et al., 2024,
+                  section 3.3.2) the second stage, a layer fuller, may hold the most.
 Time per step (the slowest stage):
     compute       FLOPs / (peak x efficiency x matmul_share: what tile and wave quantization
                   leave of the rate); a token's forward is 2 Psi_matmul + 4 s h L (attention
@@ -37,8 +39,8 @@ Time per step (the slowest stage):
     data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
                   microbatch), less what hides behind backward (ZeRO-3: all compute)
 Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown;
-sent_nbytes: the bytes it prices) -> search (every layout of a GPU count, the feasible ones
-ranked) -> plan_cli (`minidist plan`); calibrate.py: this machine, measured.
+sent_nbytes: the bytes it prices) -> plan_search.search (every layout of a GPU count, the
+feasible ones ranked) -> plan_cli (`minidist plan`); calibrate.py: this machine, measured.
 Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC 2021); Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022).   Lesson: lessons/13_beyond_one_machine/.
@@ -48,7 +50,6 @@ Run: minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from itertools import product
 
 from minidist.cluster import Cluster, ring_all_reduce_seconds, wave_share
 
@@ -113,7 +114,9 @@ SHAPES = {
 class Layout:
     """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
     microbatch size b, recompute (none | selective | full), sequence parallelism, scatter (a
-    tp rank sends 1/tp of an activation on, the next stage all-gathers; minidist sends all)."""
+    tp rank sends 1/tp of an activation on, the next stage all-gathers; minidist sends all),
+    ends (the embedding and the head take a layer's slot each: the first chunk holds only the
+    embedding, the last only the head, as Llama 3 takes a layer off the first and last stage)."""
 
     dp: int
     pp: int
@@ -124,6 +127,7 @@ class Layout:
     recompute: str = "none"
     sp: bool = False
     scatter: bool = True  # a stage sends 1/tp of an activation (Narayanan et al., section 4.1)
+    ends: bool = False  # the embedding and the head take a layer's slot each (Dubey et al., 3.3.2)
 
     def microbatches(self, batch: int) -> int:
         return batch // (self.dp * self.b)
@@ -147,8 +151,11 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
     found, x = [], layout
     if x.dp * x.pp * x.tp != gpus:
         found.append(f"dp={x.dp} x pp={x.pp} x tp={x.tp} != {gpus} GPUs")
-    if shape.layers < x.pp * x.v:
-        found.append(f"layers={shape.layers} are fewer than pp={x.pp} x v={x.v} stages")
+    if shape.layers + 2 * x.ends < x.pp * x.v:
+        ends = " + 2 ends" if x.ends else ""
+        found.append(f"layers={shape.layers}{ends} are fewer than pp={x.pp} x v={x.v} stages")
+    if x.ends and x.pp == 1:
+        found.append("the embedding and the head as stages (ends) need pp > 1")
     if shape.heads % x.tp or (shape.kv_heads or shape.heads) % x.tp:
         kv = shape.kv_heads or shape.heads
         found.append(f"heads={shape.heads} (kv heads {kv}) are not divisible by tp={x.tp}")
@@ -164,8 +171,12 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
 
 def stage_layers(shape: Shape, layout: Layout) -> int:
     """Layers on the fullest stage: v chunks of ceil(L / (pp v)) (uneven when pp v does not
-    divide L, as minidist's partition.py and Megatron-DeepSpeed allow)."""
-    return -(-shape.layers // (layout.pp * layout.v)) * layout.v
+    divide L, as minidist's partition.py and Megatron-DeepSpeed allow); with ends, L + 2 slots,
+    the first chunk the embedding's, the last the head's (Llama 3's balanced pipeline), so that
+    a middle stage is the fullest (or, with pp = 2, both stages have a slot less)."""
+    x = layout
+    full = -(-(shape.layers + 2 * x.ends) // (x.pp * x.v)) * x.v
+    return full - 1 if x.ends and x.pp == 2 else full
 
 
 def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e: int = 2) -> dict:
@@ -180,8 +191,6 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     the one s x s tensor kept)."""
     x, h = layout, shape.hidden
     layers = stage_layers(shape, x)
-    ends = 2 if x.pp == 1 else 1  # the first stage: the embedding; and the output layer if pp = 1
-    psi = (layers * shape.layer_params() + ends * shape.vocab * h) / x.tp
     mixed = {0: 20, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
     fp32 = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}
     per_param = (mixed if e == 2 else fp32)[x.zero]
@@ -190,8 +199,21 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     else:
         per_layer = layer_activation_bytes(shape, x, flash, e)
     m = x.microbatches(batch)
-    in_flight = min(x.pp, m) * (1 + (x.pp - 1) / (x.pp * x.v) if x.v > 1 else 1)
-    memory = {"model state": psi * per_param, "activations": per_layer * layers * in_flight}
+    # (layers, embeddings, rank r): the first stage holds the embedding (and the head if
+    # pp = 1); with ends it has a layer less, and the second (full, 2/v microbatches behind)
+    # may hold more; in flight: 1F1B's pp - r microbatches, or Megatron-LM's interleaved
+    # warm-up + 1 chunks, 2 (pp - r - 1) + (v - 1) pp + 1, of 1/v stage each
+    stages = [(layers, 2 if x.pp == 1 else 1, 0)]
+    if x.ends and x.pp > 2:
+        stages = [(layers - 1, 1, 0), (layers, 0, 1)]
+    memories = []
+    for n, ends, r in stages:
+        psi = (n * shape.layer_params() + ends * shape.vocab * h) / x.tp
+        chunks = 2 * (x.pp - r - 1) + (x.v - 1) * x.pp + 1
+        in_flight = min(x.pp - r, m) if x.v == 1 else chunks / x.v
+        activations = per_layer * n * in_flight
+        memories.append({"model state": psi * per_param, "activations": activations})
+    memory = max(memories, key=lambda d: sum(d.values()))
     if x.zero == 3:
         memory["gathered"] = e * max(shape.layer_params(), shape.vocab * h) / x.tp
     return memory
@@ -216,12 +238,12 @@ def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
     (Dubey et al., 2024, section 3.3.2; Megatron-LM puts the head there too)."""
     head = 3 * 2 * shape.vocab * shape.hidden
     per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
-    first = stage_layers(shape, layout)
-    chunk = first // layout.v
-    if layout.pp == 1:
-        return (first * per_layer + head,) * 2
-    last = first - chunk + max(0, shape.layers - (layout.pp * layout.v - 1) * chunk)
-    return max(first * per_layer, last * per_layer + head), first * per_layer
+    x, fullest = layout, stage_layers(shape, layout)
+    if x.pp == 1:
+        return (fullest * per_layer + head,) * 2
+    slots, chunk = shape.layers + 2 * x.ends, -(-(shape.layers + 2 * x.ends) // (x.pp * x.v))
+    last = (x.v - 1) * chunk + max(0, slots - (x.pp * x.v - 1) * chunk) - x.ends
+    return max(fullest * per_layer, last * per_layer + head), fullest * per_layer
 
 
 def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
@@ -352,43 +374,15 @@ def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9,
     return Plan(layout, memory, step(shape, layout, cluster, batch, eff, e, flash), tuple(why))
 
 
-def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int, scatter: bool = True):
-    """Every layout worth a look: tp up to two nodes, pp up to the layers (uneven stages
-    allowed), b up to 8, v up to 4 (pp > 1), every ZeRO stage, recompute, sp; problems() filters."""
-    for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * cluster.gpus_per_node and gpus % t == 0):
-        for pp in (p for p in range(1, shape.layers + 1) if (gpus // tp) % p == 0):
-            for v, zero, b, recompute, sp in _options(tp):
-                if v == 1 or pp > 1:  # chunks of one stage interleave with nothing
-                    yield Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, sp, scatter)
-
-
-def _options(tp: int):
-    """(v, zero, b, recompute, sp) for every layout of this tp."""
-    sps = (False, True) if tp > 1 else (False,)
-    return product((1, 2, 4), (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"), sps)
-
-
-def search(
-    shape, cluster, gpus, batch, eff=None, flash=True, allowed=None, e=2, scatter=True
-) -> tuple[list, list]:
-    """(feasible plans, fastest first; the infeasible ones) over the layouts() allowed(x) takes
-    (default all). eff: calibrated(cluster) unless given; e, scatter: as step() and Layout."""
-    eff = eff or calibrated(cluster)
-    candidates = layouts(shape, cluster, gpus, batch, scatter)
-    candidates = [x for x in candidates if allowed is None or allowed(x)]
-    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e) for x in candidates]
-    ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
-    return ok, [q for q in plans if q.why_not]
-
-
 # Fitted on three published runs (tests/published_runs.py), checked on every other one: compute
 # on Megatron-LM's 145.6B on 1536 A100s (r06: Narayanan et al., SC 2021, table 1) and Llama 3
-# 405B on 8,192 H100s (r38: Dubey et al., 2024, table 4); network on ZeRO-3 with 174.6B on 1536
+# 405B on 8,192 H100s (r38: Dubey et al., 2024, table 4, laid out as its section 3.3.2 says:
+# ZeRO-2, an interleaved pipeline, ends, no recompute); network on ZeRO-3 with 174.6B on 1536
 # A100s (r12: Narayanan et al., table 2), where gradients and parameters dwarf the compute.
 # overlap is not fitted: 1.0, traffic hides while there is compute (0 after the last microbatch).
 CALIBRATED = {
     "A100": Efficiency(compute=0.686, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.826, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.575, network=0.630, overlap=1.0),
 }
 
 

@@ -4,13 +4,14 @@
     minidist plan --model llama-70b --cluster dgx-h100 --gpus 512 --batch 1024 --tokens 2e12
     minidist plan --layers 32 --hidden 4096 --heads 32 --vocab 50304 --seq-len 2048 ...
     minidist plan ... --recompute full --no-sp --zero 1 --no-flash   # what your framework has
+    minidist plan --model llama3-405b --cluster dgx-h100 --gpus 8192 --batch 2048 --ends
     minidist plan ... --json         # one object: every feasible layout's numbers
     minidist plan ... --png out/plan.png                     # the time breakdown, drawn
     minidist bench p2p -n 2 --backend mpi --json > p2p.json
     minidist plan --cluster this --calibration p2p.json --gpus 2 --batch 16   # this machine
     minidist plan ... --dp 2 --tp 1 --microbatch-size 2     # only layouts with these numbers
 
-Prints the best layouts (plan.search) with the step time by part, tokens/s, MFU, memory per
+Prints the best layouts (plan_search.search) with the step time by part, tokens/s, MFU, memory per
 GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
 PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
 refused for which reason. Bad input is refused with one line per reason (exit 2).
@@ -31,7 +32,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, replace
 
-from minidist import calibrate, plan
+from minidist import calibrate, plan, plan_search
 from minidist import cluster as clusters
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
@@ -58,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
     p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
+    p.add_argument(
+        "--ends", action="store_true", help="the embedding and the head as stages (Llama 3)"
+    )
     for flag in ONLY:
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, help="only layouts with this")
     p.add_argument("--top", type=int, default=5)
@@ -84,6 +88,8 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
             found.append(f"--{flag.replace('_', '-')}={value} must be at least 1")
     if not args.tokens > 0:
         found.append(f"--tokens={args.tokens} must be positive")
+    if args.ends and args.cluster == "this":
+        found.append("--ends: minidist train's pipeline gives the embedding and head no stages")
     if args.png and not os.path.isdir(os.path.dirname(os.path.abspath(args.png))):
         found.append(f"--png {args.png}: its folder does not exist")
     if found:
@@ -140,7 +146,9 @@ def main(args: argparse.Namespace) -> int:
         rows = [_row(shape, machine.cluster_for(q.layout), args, q) for q in ok]
     else:
         flash = not args.no_flash
-        ok, refused = plan.search(shape, cluster, args.gpus, args.batch, None, flash, allowed)
+        ok, refused = plan_search.search(
+            shape, cluster, args.gpus, args.batch, None, flash, allowed, ends=args.ends
+        )
         rows = [_row(shape, cluster, args, q) for q in ok]
     if not ok:
         _refuse_all(shape, cluster, args, refused)
@@ -212,7 +220,7 @@ def mfu(
 
 def _name(layout: dict) -> str:
     x = layout
-    sp = " sp" if x["sp"] else ""
+    sp = (" sp" if x["sp"] else "") + (" ends" if x.get("ends") else "")
     return (
         f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}{sp}"
     )

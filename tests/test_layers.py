@@ -72,6 +72,7 @@ MODULES = {
     "cluster": "composition",
     "simulate": "composition",
     "plan": "composition",
+    "plan_search": "composition",
     "plan_cli": "composition",
     "calibrate": "composition",
     "testing": "harness",

@@ -11,11 +11,12 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
-from minidist import calibrate, cluster, plan, plan_cli
+from minidist import calibrate, cluster, plan, plan_cli, plan_search
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.tensor_parallel_blocks import ParallelTransformerBlock
 from minidist.testing import run_threads
@@ -112,14 +113,58 @@ def test_problems_name_the_numbers():
 
 
 @pytest.mark.pure
+def test_ends_give_the_embedding_and_the_head_a_layer_slot_each():
+    # Llama 3 405B as Dubey et al. (section 3.3.2) cut it: 126 layers + 2 ends on 16 x 8 chunks
+    llama = plan.SHAPES["llama3-405b"]
+    x = plan.Layout(dp=64, pp=16, tp=8, v=8, zero=2, b=1, sp=True, ends=True)
+    assert plan.stage_layers(llama, x) == 8  # a middle stage: 8 chunks of 1 layer
+    eight, ten = (plan.Shape(name, n, 64, 4, 256, 100, 32) for name, n in (("8", 8), ("10", 10)))
+    assert plan.stage_layers(eight, plan.Layout(1, 4, 1)) == 2
+    assert plan.stage_layers(eight, plan.Layout(1, 4, 1, ends=True)) == 3  # 10 slots: 3 3 2 2
+    assert plan.stage_layers(ten, plan.Layout(1, 2, 1, ends=True)) == 5  # 12 slots: 6 6, one an end
+    # memory: the second stage (8 layers, no embedding, Megatron-LM's interleaved warm-up of
+    # 2 (pp - 2) + (v - 1) pp + 1 = 141 chunks of one layer) outweighs the first (7 layers + the
+    # embedding, 143 chunks of 7/8 of a layer)
+    per_layer = plan.layer_activation_bytes(llama, x)
+    per_param = 2 + 14 / 64
+    first = (7 * llama.layer_params() + llama.vocab * llama.hidden) / 8 * per_param
+    second = 8 * llama.layer_params() / 8 * per_param
+    assert second + 141 * per_layer > first + 7 * 143 / 8 * per_layer
+    got = plan.memory_bytes(llama, x, batch=2048)
+    assert got == pytest.approx({"model state": second, "activations": 141 * per_layer})
+    # time: the last stage runs 7 layers and the head; the fullest stage 8 layers
+    head = 3 * 2 * llama.vocab * llama.hidden
+    layer = (llama.step_flops_per_token("none") - head) / llama.layers
+    slowest, fullest = plan.stage_flops_per_token(llama, x)
+    assert (slowest, fullest) == pytest.approx((max(8 * layer, 7 * layer + head), 8 * layer))
+    few = plan.problems(llama, replace(x, pp=32, dp=32, v=8), gpus=8192, batch=2048)
+    assert few == ["layers=126 + 2 ends are fewer than pp=32 x v=8 stages"]
+    alone = plan.problems(llama, plan.Layout(1024, 1, 8, ends=True), gpus=8192, batch=2048)
+    assert alone == ["the embedding and the head as stages (ends) need pp > 1"]
+
+
+@pytest.mark.pure
+def test_cli_ends_names_its_layouts_and_is_refused_on_this_machine(capsys):
+    args = ("--model", "llama-7b", "--gpus", "64", "--json", "--ends")
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    layouts = [row["layout"] for row in json.loads(out)["layouts"]]
+    assert layouts and all(x["ends"] == (x["pp"] > 1) for x in layouts)
+    code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--ends", "--pp", "2")
+    assert code == 0 and " ends " in out, err
+    code, _, err = run_cli(capsys, "--cluster", "this", "--ends", "--gpus", "2", "--batch", "16")
+    assert code == 2 and "--ends: minidist train's pipeline gives the embedding" in err, err
+
+
+@pytest.mark.pure
 def test_search_ranks_the_feasible_and_explains_the_rest():
     shape = plan.SHAPES["llama-7b"]
-    ok, refused = plan.search(shape, A100, 64, 512)
+    ok, refused = plan_search.search(shape, A100, 64, 512)
     assert ok and all(not q.why_not for q in ok)
     assert [q.seconds for q in ok] == sorted(q.seconds for q in ok)
     assert any(q.why_not[0].startswith("needs") for q in refused)
     # a model that cannot fit anywhere: every layout refused, the memory ones with numbers
-    ok, refused = plan.search(GPT3, A100, 8, 8)
+    ok, refused = plan_search.search(GPT3, A100, 8, 8)
     assert not ok and any("GB a GPU" in q.why_not[0] for q in refused)
 
 
@@ -167,7 +212,7 @@ def test_cli_flags_pick_layouts_and_no_chunks_without_a_pipeline(capsys):
     layouts = [row["layout"] for row in json.loads(out)["layouts"]]
     assert layouts and all((x["dp"], x["tp"], x["b"], x["v"]) == (16, 2, 2, 1) for x in layouts)
     assert {x["pp"] for x in layouts} == {2}  # 64 GPUs = dp 16 x pp 2 x tp 2
-    every = list(plan.layouts(plan.SHAPES["llama-7b"], cluster.preset("dgx-h100"), 64, 512))
+    every = list(plan_search.layouts(plan.SHAPES["llama-7b"], cluster.preset("dgx-h100"), 64, 512))
     assert all(x.v == 1 for x in every if x.pp == 1)  # chunks of one stage interleave nothing
     assert {x.v for x in every if x.pp > 1} == {1, 2, 4}
 
