@@ -40,7 +40,10 @@ SOURCES = {
         "Black et al., 'GPT-NeoX-20B', arXiv:2204.06745 (2022); layout from EleutherAI/gpt-neox "
         "configs/20B.yml; 117 TFLOP/s from secondary notes"
     ),
-    "d24": ("Dubey et al., 'The Llama 3 Herd of Models', arXiv:2407.21783 (2024), table 4"),
+    "d24": (
+        "Dubey et al., 'The Llama 3 Herd of Models', arXiv:2407.21783 (2024), table 4 and section "
+        "3.3.2"
+    ),
     "m23": (
         "MosaicML llm-foundry, scripts/train/benchmarking/README.md (MFU tables) and the mpt yamls"
     ),
@@ -70,6 +73,15 @@ NO_INTERLEAVING = ("s22", "b22", "x22")
 # names none). Megatron-LM's and Megatron-DeepSpeed's runs keep their default of 0.1 (BLOOM's
 # tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
 NO_DROPOUT = ("x22", "m23", "d24")
+
+# Whose pipelines give the embedding and the head a layer's slot each (plan.Layout.ends): Llama 3
+# "reduce[s] one Transformer layer each from the first and the last stages", so that "the first
+# model chunk on the first stage has only the embedding, and the last model chunk on the last
+# stage has only output projection and loss calculation" (Dubey et al., section 3.3.2). With
+# 126 layers on 16 stages that leaves a chunk empty only if a chunk holds one layer: 126 + 2
+# slots over 16 ranks, v = 8 chunks each (derived, the paper names no V; its bubble, (PP - 1) /
+# (V M), then doubles from 8,192 GPUs, M = 32, to 16,384, M = 16, as its MFU falls 43% -> 41%).
+ENDS = ("d24",)
 
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
@@ -130,8 +142,8 @@ RUNS = {
     "r34": ("L105h20480", "s22", "A100", 80, 3360, 8, 35, 1, 1, 1, 1920, "full", 0, 0),
     "r36": ("L70h14336v250", "b22", "A100", 80, 384, 4, 12, 1, 1, 2, 2048, "full", 0, 0),
     "r37": ("L44h6144", "x22", "A100", 40, 96, 2, 4, 1, 1, 4, 1536, "full", 0, 0),
-    "r38": ("L126h16384s8192v128", "d24", "H100", 80, 8192, 8, 16, 1, 1, 1, 2048, "none", 0, 1),
-    "r39": ("L126h16384s8192v128", "d24", "H100", 80, 16384, 8, 16, 1, 1, 1, 2048, "none", 0, 1),
+    "r38": ("L126h16384s8192v128", "d24", "H100", 80, 8192, 8, 16, 8, 2, 1, 2048, "none", 1, 1),
+    "r39": ("L126h16384s8192v128", "d24", "H100", 80, 16384, 8, 16, 8, 2, 1, 2048, "none", 1, 1),
     "r41": ("L80h8192v50", "m23", "H100", 80, 64, 1, 1, 1, 3, 8, 2048, "full", 0, 1),
     "r42": ("L48h7168v50", "m23", "H100", 80, 32, 1, 1, 1, 3, 14, 1344, "full", 0, 1),
     "r43": ("L40h5120v50", "m23", "H100", 80, 64, 1, 1, 1, 3, 2, 128, "none", 0, 1),
@@ -375,11 +387,17 @@ EVIDENCE = {
     ),
     "r38": (
         "Table 4, Table 3, Sec 3.3.1-3.3.2: Table 4: 8,192 | TP 8 | CP 1 | PP 16 | DP 64 | "
-        "8,192 | 32 | 16M | 430 | 43%"
+        "8,192 | 32 | 16M | 430 | 43%; Sec 3.3.2: 'Our use of FSDP for "
+        "Llama 3 shards optimizer states and gradients, but for model shards we do not reshard "
+        "after forward computation'; 'we use an interleaved schedule'; 'we could pre-train "
+        "Llama 3 on sequences of 8K tokens without activation checkpointing'"
     ),
     "r39": (
         "Table 4, Table 3, Sec 3.3.1-3.3.2: Table 4: 16,384 | TP 8 | CP 1 | PP 16 | DP 128 | "
-        "8,192 | 16 | 16M | 400 | 41%"
+        "8,192 | 16 | 16M | 400 | 41%; Sec 3.3.2: 'Our use of FSDP for "
+        "Llama 3 shards optimizer states and gradients, but for model shards we do not reshard "
+        "after forward computation'; 'we use an interleaved schedule'; 'we could pre-train "
+        "Llama 3 on sequences of 8K tokens without activation checkpointing'"
     ),
     "r41": (
         "benchmarking/README.md section 'H100 80GB BF16'; yamls/pretrain/mpt-70b.yaml: row: 70b "
@@ -463,8 +481,28 @@ ASSUMED = {
     "r34": ["ffn = 4 hidden", "vocab 51,200", "full recompute", "microbatch 1", "v = 1"],
     "r36": ["ffn = 4 hidden", "v = 1"],
     "r37": ["ffn = 4 hidden", "vocab 51,200", "v = 1"],
-    "r38": ["no recompute", "FSDP as ZeRO-1", "microbatch 1", "v = 1", "no sp", "flash attention"],
-    "r39": ["no recompute", "FSDP as ZeRO-1", "microbatch 1", "v = 1", "no sp", "flash attention"],
+    "r38": [
+        (
+            "FSDP as ZeRO-2, its gradients reduce-scattered in bf16 every microbatch (the paper "
+            "says FP32; priced so, 6-9 s of it stays exposed and even a compute efficiency of 1 "
+            "predicts 17.4 s for the 8,192-GPU step of 12.64 s)"
+        ),
+        "microbatch 1",
+        "v = 8 (derived: ENDS)",
+        "sp (the paper cites Korthikanti et al. for its tensor parallelism)",
+        "flash attention",
+    ],
+    "r39": [
+        (
+            "FSDP as ZeRO-2, its gradients reduce-scattered in bf16 every microbatch (the paper "
+            "says FP32; priced so, 6-9 s of it stays exposed and even a compute efficiency of 1 "
+            "predicts 17.4 s for the 8,192-GPU step of 12.64 s)"
+        ),
+        "microbatch 1",
+        "v = 8 (derived: ENDS)",
+        "sp (the paper cites Korthikanti et al. for its tensor parallelism)",
+        "flash attention",
+    ],
     "r41": ["ffn = 4 hidden", "flash attention"],
     "r42": ["ffn = 4 hidden", "flash attention"],
     "r43": ["ffn = 4 hidden", "flash attention"],

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import pytest
 
-from minidist import cluster, plan
+from minidist import cluster, plan, plan_search
 
 try:
     from . import published_runs as published
@@ -45,8 +45,9 @@ def cluster_of(rid: str) -> cluster.Cluster:
 
 
 def layout_of(rid: str) -> plan.Layout:
-    _, _, _, _, gpus, tp, pp, v, zero, b, _, recompute, sp, _ = published.RUNS[rid]
-    return plan.Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, bool(sp))
+    _, source, _, _, gpus, tp, pp, v, zero, b, _, recompute, sp, _ = published.RUNS[rid]
+    ends = source in published.ENDS
+    return plan.Layout(gpus // (tp * pp), pp, tp, v, zero, b, recompute, bool(sp), ends=ends)
 
 
 def published_seconds(rid: str) -> float:
@@ -83,9 +84,10 @@ def error(rid: str, eff=None) -> float:
 
 
 @functools.cache
-def ranking_gap(rid: str) -> float:
+def ranking_gap(rid: str, own_memory: bool = False) -> float:
     """The published layout's predicted time over the best one's with the same techniques,
-    minus 1 (inf if the published layout does not fit the planner's memory model)."""
+    minus 1 (inf if the published layout does not fit the planner's memory model). own_memory:
+    the GPU's memory widened until the published layout just fits, the rivals held to the same."""
     row, mine = published.RUNS[rid], layout_of(rid)
 
     def same(x: plan.Layout) -> bool:
@@ -94,12 +96,15 @@ def ranking_gap(rid: str) -> float:
         schedule = x.v == 1 or row[1] not in published.NO_INTERLEAVING
         return techniques and model_parallel and schedule
 
-    ours = predicted(rid)
+    c, eff, flash = cluster_of(rid), efficiency_of(rid), bool(row[13])
+    if own_memory:
+        need = sum(predicted(rid).memory.values()) / 0.9  # evaluate()'s headroom
+        c = replace(c, gpu=replace(c.gpu, memory=max(c.gpu.memory, need * (1 + 1e-9))))
+    ours = plan.evaluate(shape_of(rid), mine, c, row[4], row[10], eff, flash)
     if ours.why_not:
         return float("inf")
-    c = cluster_of(rid)
-    ok, _ = plan.search(
-        shape_of(rid), c, row[4], row[10], efficiency_of(rid), bool(row[13]), allowed=same
+    ok, _ = plan_search.search(
+        shape_of(rid), c, row[4], row[10], eff, flash, allowed=same, ends=mine.ends
     )
     best = min([ours, *ok], key=lambda q: q.seconds)
     return ours.seconds / best.seconds - 1
@@ -142,11 +147,11 @@ ERRORS = {
     "r34": -0.213,
     "r36": -0.108,
     "r37": -0.273,
-    "r39": 0.255,
-    "r41": -0.224,
-    "r42": -0.234,
+    "r39": 0.01,
+    "r41": 0.05,
+    "r42": 0.077,
     "r43": 1.882,
-    "r44": -0.35,
+    "r44": -0.099,
     "r45": 0.067,
     "r46": 0.132,
     "r47": 0.012,
@@ -154,10 +159,11 @@ ERRORS = {
     "r49": 0.062,
 }
 # the gap between the published layout and the planner's first with the same techniques; INF:
-# the planner's memory model does not fit the published layout (Llama 3, no dropout: 203 GB
-# without sequence parallelism, as the row has it; 83.2 GB with it; 71.6 GB on the busiest stage
-# only with also FSDP's sharded gradients as ZeRO-2 and the paper's lighter first and last
-# stages, where the run's own recipe fit 80 GB: lessons/13_beyond_one_machine/README.md)
+# the planner's memory model does not fit the published layout (Llama 3 with every technique
+# its section 3.3.2 states, ZeRO-2, sp, v = 8, ends: 82.8 GB a GPU, 75.7 GB of it activations,
+# 141 layer-microbatches in flight on the second stage under Megatron-LM's interleaved schedule;
+# the paper's own schedule, tunable in N, and its deallocations fit 80 GB, unquantified; within
+# the memory it needs, it ranks first: test_llama3_ranks_first_among_the_layouts_that_fit_...)
 RANKING = {
     "r00": 0.0,
     "r01": 0.0,
@@ -227,6 +233,13 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     # 12.1% faster) to the published tp8, whose six all-reduces of every activation per layer
     # cost 12% and 9% of the step on NVLink, against a bubble of 3% and 1%; Llama 3: see RANKING
     assert misses == ["r03", "r04", "r38", "r39"], misses
+
+
+def test_llama3_ranks_first_among_the_layouts_that_fit_its_own_memory():
+    # the misses r38, r39 are memory, not time: given the 82.8 GB the memory model says the
+    # published layout needs, no layout with its techniques that fits the same is faster
+    for rid in ("r38", "r39"):
+        assert ranking_gap(rid, own_memory=True) == 0.0, (rid, ranking_gap(rid, own_memory=True))
 
 
 def table() -> str:
