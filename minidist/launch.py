@@ -127,8 +127,10 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
 
         rank, world, addr, port = _torch_env()
         local_rank = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank
+        # torchrun's agent serves the store on MASTER_PORT itself and tells its workers so
+        agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         comm = torchdist.init_process_group(
-            backend, rank, world, addr, port, timeout, int(local_rank)
+            backend, rank, world, addr, port, timeout, int(local_rank), agent_serves
         )
     if backend != "threads":
         _install_failure_hook(comm)

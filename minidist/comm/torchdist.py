@@ -64,10 +64,12 @@ def init_process_group(
     port: int,
     timeout: float,
     local_rank: int | None = None,
+    agent_serves: bool = False,
 ) -> TorchDistComm:
     """Join the default process group over TCP at addr:port and return the world comm.
 
     nccl: this process drives GPU local_rank (its rank among the ranks of its machine).
+    agent_serves: a launcher's agent (torchrun's) serves the store at addr:port: join it.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not 'gloo' or 'nccl'")
@@ -82,7 +84,7 @@ def init_process_group(
         raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
     wait = datetime.timedelta(seconds=timeout + 30)  # ours fires first and names the operation
     try:
-        store = _store(rank, world_size, addr, port, wait)
+        store = _store(rank, world_size, addr, port, wait, agent_serves=agent_serves)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=wait
         )
@@ -98,11 +100,15 @@ def init_process_group(
     return TorchDistComm(None, backend, device, timeout)
 
 
-def _store(rank: int, world_size: int, addr: str, port: int, wait):
+def _store(rank: int, world_size: int, addr: str, port: int, wait, agent_serves: bool = False):
     """The rendezvous store at addr:port. Rank 0 serves it on a socket it binds itself to addr
     alone (so a local job, MASTER_ADDR=127.0.0.1, is not reachable from other hosts), and a
-    port already taken, by another job's store say, is an error at once, not a timeout."""
-    if rank != 0:
+    port already taken, by another job's store say, is an error at once, not a timeout.
+
+    agent_serves: torchrun's agent already serves the store at addr:port and says so to its
+    workers (TORCHELASTIC_USE_AGENT_STORE=True): then every rank, rank 0 too, joins it as a
+    client; binding the port would find the agent there."""
+    if rank != 0 or agent_serves:
         return dist.TCPStore(addr, port, world_size, False, wait)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
