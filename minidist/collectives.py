@@ -122,7 +122,7 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
         reduce_(got, acc, op)  # the lower rank's value first (see below)
         acc, got = got, acc
     v = r // 2 if r < 2 * extra else r - extra  # this rank among the q that take part
-    # lab 02.3 begin: swap acc with real peer of virtual rank v ^ mask, lower rank's value first
+    # lab 02.3 begin: each round: swap with the partner one bit away (a real rank), lower rank first
     mask = 1
     while mask < q:
         pv = v ^ mask
@@ -157,7 +157,7 @@ def ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Te
     piece = max(1, PIECE_BYTES // buf.element_size())
     # two slots: one piece arrives while the other is reduced (the last chunk is the largest)
     scratch = buf.new_empty((2, min(piece, bounds[-1][1] - bounds[-1][0])))
-    # lab 02.1 begin: send chunk (r-s-1)%p right, receive (r-s-2)%p from the left, reduce it in
+    # lab 02.1 begin: p-1 steps: send right what you last reduced; reduce in what the left sends
     for s in range(p - 1):
         lo, hi = bounds[(r - s - 1) % p]  # reduced in the previous step (s=0: this rank's own)
         rlo, rhi = bounds[(r - s - 2) % p]  # it arrives holding the reduction over s+1 ranks
@@ -207,7 +207,7 @@ def ring_all_gather_flat(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     bounds = chunk_bounds(buf.numel(), p)
-    # lab 02.2 begin: send chunk (r-s)%p right, receive chunk (r-s-1)%p from the left into buf
+    # lab 02.2 begin: p-1 steps: send right what you last completed; take the next from the left
     for s in range(p - 1):
         lo, hi = bounds[(r - s) % p]
         rlo, rhi = bounds[(r - s - 1) % p]

@@ -129,9 +129,9 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
         reduce_(got, acc, op)  # the lower rank's value first (see below)
         acc, got = got, acc
     v = r // 2 if r < 2 * extra else r - extra  # this rank among the q that take part
-    # lab 02.3 begin: swap acc with real peer of virtual rank v ^ mask, lower rank's value first
+    # lab 02.3 begin: each round: swap with the partner one bit away (a real rank), lower rank first
     raise NotImplementedError(
-        "Lab 02.3: swap acc with real peer of virtual rank v ^ mask, lower rank's value first"
+        "Lab 02.3: each round: swap with the partner one bit away (a real rank), lower rank first"
     )
     # lab 02.3 end
     if r < 2 * extra:
@@ -149,9 +149,9 @@ def ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Te
     piece = max(1, PIECE_BYTES // buf.element_size())
     # two slots: one piece arrives while the other is reduced (the last chunk is the largest)
     scratch = buf.new_empty((2, min(piece, bounds[-1][1] - bounds[-1][0])))
-    # lab 02.1 begin: send chunk (r-s-1)%p right, receive (r-s-2)%p from the left, reduce it in
+    # lab 02.1 begin: p-1 steps: send right what you last reduced; reduce in what the left sends
     raise NotImplementedError(
-        "Lab 02.1: send chunk (r-s-1)%p right, receive (r-s-2)%p from the left, reduce it in"
+        "Lab 02.1: p-1 steps: send right what you last reduced; reduce in what the left sends"
     )
     # lab 02.1 end
     return buf
@@ -192,9 +192,9 @@ def ring_all_gather_flat(buf: torch.Tensor, comm: Comm) -> torch.Tensor:
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     bounds = chunk_bounds(buf.numel(), p)
-    # lab 02.2 begin: send chunk (r-s)%p right, receive chunk (r-s-1)%p from the left into buf
+    # lab 02.2 begin: p-1 steps: send right what you last completed; take the next from the left
     raise NotImplementedError(
-        "Lab 02.2: send chunk (r-s)%p right, receive chunk (r-s-1)%p from the left into buf"
+        "Lab 02.2: p-1 steps: send right what you last completed; take the next from the left"
     )
     # lab 02.2 end
     return buf
