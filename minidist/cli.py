@@ -79,7 +79,7 @@ def command_problems(args: argparse.Namespace) -> list[str]:
 def _run(args: argparse.Namespace) -> int:
     argv = [args.script, *args.args]
     if args.backend == "threads":
-        outcome = run_threads(argv, args.n, job_timeout())
+        outcome = run_threads(argv, args.n, job_timeout(), sends=args.sends)
     else:
         outcome = launch(argv, args.n, args.backend)
     if outcome.returncode != 0:
@@ -91,6 +91,13 @@ def _add_run(sub) -> None:
     p = sub.add_parser("run", help="start N ranks of a script on this machine")
     p.add_argument("-n", type=int, required=True, help="number of ranks")
     p.add_argument("--backend", choices=BACKENDS, default="mpi")
+    p.add_argument(
+        "--sends",
+        choices=("buffered", "rendezvous"),
+        default="buffered",
+        help="threads: a send completes at once, or when its receive is posted (MPI_Ssend: "
+        "any ordering that can deadlock on a real MPI deadlocks here, named at once)",
+    )
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run)

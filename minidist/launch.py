@@ -282,15 +282,22 @@ def start_ranks(module: str, argv: list[str], n: int, backend: str, command: str
 
 
 def run_threads(
-    argv: list[str], n: int, timeout: float = DEFAULT_TIMEOUT, linger: float | None = None
+    argv: list[str],
+    n: int,
+    timeout: float = DEFAULT_TIMEOUT,
+    linger: float | None = None,
+    sends: str = "buffered",
 ) -> Outcome:
     """Run the script `argv[0]` as n threads of this process, each with its own threads comm.
 
     The watchdog's rules, for threads: a failing rank aborts the world (the others wake with
     PeerFailed); a rank still running 2 s after another failed, or `linger` s (default:
     timeout) after another finished, is named hung with its stack. A thread cannot be killed:
-    it is left behind (a daemon thread, it ends with the process)."""
-    world = ThreadsWorld(n, timeout)
+    it is left behind (a daemon thread, it ends with the process). The world sees more than a
+    watchdog: a deadlock, or a rank waiting for one that returned, fails at once naming the
+    calls (comm/deadlock.py); a message no receive took fails the job at the end.
+    sends: the world's ("buffered", or "rendezvous" as MPI_Ssend: comm/threads.py)."""
+    world = ThreadsWorld(n, timeout, sends)
     errors: dict[int, tuple[int, str]] = {}  # rank -> (exit code, traceback)
     finished: dict[int, float] = {}  # rank -> when its thread ended
 
@@ -298,11 +305,14 @@ def run_threads(
         _local.comm = world.comm(r)
         try:
             runpy.run_path(argv[0], run_name="__main__")
+            world.finish(r)
         except SystemExit as e:
             if e.code not in (None, 0):
                 code = e.code if isinstance(e.code, int) else 1
                 errors[r] = (code, f"(it exited with code {e.code}: sys.exit, no traceback)\n")
                 world.abort(f"rank {r} exited")
+            else:
+                world.finish(r, "exited with code 0")
         except BaseException:
             errors[r] = (1, traceback.format_exc())
             world.abort(f"rank {r} failed")  # wake the others instead of letting them hang
@@ -317,7 +327,12 @@ def run_threads(
         hung = _join(threads, errors, finished, timeout if linger is None else linger)
     finally:
         sys.argv = old_argv
-    return _threads_outcome(threads, errors, finished, hung)
+    outcome = _threads_outcome(threads, errors, finished, hung)
+    left = world.unreceived() if outcome.returncode == 0 else []
+    if left:  # every rank ended well, yet a message was lost: a later run could take it
+        lines = "".join(f"  {line}\n" for line in left)
+        return Outcome(1, None, f"{len(left)} message(s) sent but never received:\n{lines}")
+    return outcome
 
 
 def _join(threads, errors: dict, finished: dict, timeout: float) -> list[int]:
@@ -338,7 +353,8 @@ def _threads_outcome(threads, errors: dict, finished: dict, hung: list[int]) -> 
     """Blame as the watchdog does: an own failure, then a hung rank, then a timeout."""
     own = [r for r, (_, tb) in errors.items() if "PeerFailed" not in tb and "CommTimeout" not in tb]
     if own:
-        first = min(own, key=lambda r: finished[r])
+        # a deadlock is every rank's at once: name the lowest, the same on every run
+        first = min(own, key=lambda r: (0, r) if "Deadlock" in errors[r][1] else (-1, finished[r]))
         return Outcome(errors[first][0], first, errors[first][1])
     if hung:
         frame = sys._current_frames().get(threads[hung[0]].ident)

@@ -67,7 +67,7 @@ class Outcome:
         if self.timed_out:
             return f"timed out; ranks still running: {self.still_running}"
         if self.failed_rank is None:
-            return f"failed with exit code {self.returncode}"
+            return self.traceback or f"failed with exit code {self.returncode}"
         tb = self.traceback or "(no traceback recorded: see the rank's output above)\n"
         return f"rank {self.failed_rank} {self.how} (exit code {self.returncode}):\n{tb}"
 

@@ -9,6 +9,7 @@ runs fixed cases (every dtype) on 3 and 4 of them by splitting the world.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -217,12 +218,16 @@ def recv_nobody_sends(comm):
     comm.timeout = 0.5
     if comm.rank == 1:
         comm.recv(torch.zeros(3), 0)
+    else:
+        time.sleep(1.0)  # busy elsewhere, not blocked in the comm: only the timeout can tell
 
 
 def collective_one_rank_skips(comm):
     comm.timeout = 0.5
     if comm.rank != 2:
         comm.all_reduce(torch.zeros(3))
+    else:
+        time.sleep(1.0)
 
 
 def mismatched_collectives(comm):
@@ -256,11 +261,13 @@ def test_threads_detect_mismatched_collectives():
 def hangs_on_purpose(comm):
     if comm.rank == 0:
         comm.recv(torch.zeros(1), 1)  # rank 1 never sends
+    else:
+        time.sleep(3.0)  # and is not blocked in the comm: no detector can see it
 
 
 @pytest.mark.threads
 def test_harness_turns_a_hang_into_a_failure_naming_ranks():
-    with pytest.raises(AssertionError, match=r"ranks still running: \[0\]"):
+    with pytest.raises(AssertionError, match=r"ranks still running: \[0, 1\]"):
         run_threads(hangs_on_purpose, 2, timeout=1.0, comm_timeout=30)
 
 

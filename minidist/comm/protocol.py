@@ -72,6 +72,11 @@ class PeerFailed(CommError):
     """
 
 
+class Deadlock(CommError):
+    """No rank can proceed: every live rank waits for another (the threads world sees it at
+    once), or a rank waits for one that has finished. Raised on every rank of the cycle."""
+
+
 class CollectiveMismatch(CommError):
     """Ranks called different collectives, or the same one with different shapes or dtypes."""
 
