@@ -43,9 +43,39 @@ def numeric_problems(args: argparse.Namespace) -> list[str]:
     return found
 
 
+# The most ranks a command starts on this machine. A process rank is a Python with torch
+# (measured: 230 MiB resident, mpi and gloo alike) that polls while it waits; past 4 per core
+# they mostly wait for a core, and a rank merely descheduled can reach its timeout. Thread-ranks
+# share one process and one lock: a barrier of 256 of them took 1.2 s, of 1024 137 s (each
+# collective copies and folds every rank's row: work grows with the square of the ranks).
+PROCESSES_PER_CORE = 4
+THREAD_RANKS = 256
+
+
+def most_ranks(backend: str) -> tuple[int, str]:
+    """(the most ranks `backend` may start here, why in a few words)."""
+    if backend == "threads":
+        return THREAD_RANKS, "threads of one process, whose collectives cost p^2"
+    if backend == "nccl":
+        import torch
+
+        return torch.cuda.device_count(), "one rank per GPU, and torch sees that many"
+    cores = os.cpu_count() or 1
+    return PROCESSES_PER_CORE * cores, f"{PROCESSES_PER_CORE} processes per core, {cores} cores"
+
+
+def world_problems(flag: str, n: int, backend: str) -> list[str]:
+    """['-n 100000: ...'] if n ranks are more than this machine can run on backend, else []."""
+    most, why = most_ranks(backend)
+    if n <= most or (backend == "nccl" and most == 0):  # no GPU at all: said once, above
+        return []
+    return [f"{flag} {n}: {backend} runs at most {most} ranks on this machine ({why})"]
+
+
 def command_problems(args: argparse.Namespace) -> list[str]:
-    """What else makes this command unable to start: files, folders, flags that do not go
-    together (train: gpt.cli.problems)."""
+    """What else makes this command unable to start: files, folders, world sizes this machine
+    cannot run, flags that do not go together (train: gpt.cli.problems; bench: each
+    benchmark's own problems(), once every number is in range)."""
     found = []
     if args.command == "run":
         if not os.path.isfile(args.script):
@@ -55,16 +85,14 @@ def command_problems(args: argparse.Namespace) -> list[str]:
 
         if not torch.cuda.is_available():
             found.append("--backend nccl needs a CUDA GPU, and torch sees none: use gloo or mpi")
-    if args.command == "bench" and getattr(args, "min_bytes", 0) > getattr(args, "max_bytes", 1):
-        found.append(f"--min-bytes {args.min_bytes} is more than --max-bytes {args.max_bytes}")
-    if args.command == "bench" and args.what in ("p2p", "sgd") and args.n < 2:
-        found.append(f"-n {args.n}: bench {args.what} needs at least 2 ranks")
-    if args.command == "bench" and args.what in ("moe", "cp"):
-        from .bench import cp, moe
-
-        found += (moe if args.what == "moe" else cp).problems(args)
-    if args.command == "bench" and not 0 <= getattr(args, "chance", 0) <= 1:
-        found.append(f"--chance {args.chance}: a probability, in [0, 1]")
+    if args.command in ("run", "bench"):
+        for n in args.n if isinstance(args.n, list) else [args.n]:  # bench zero: several
+            found += world_problems("-n", n, args.backend)
+    if args.command == "train" and not numeric_problems(args):
+        world = args.dp * args.pp * args.tp * args.cp  # ep is carved out of dp
+        found += world_problems("--dp x --pp x --tp x --cp", world, args.backend)
+    if args.command == "bench" and not found and not numeric_problems(args):  # moe divides by n
+        found += _bench_module(args.what).problems(args)
     if args.command == "schedule":
         if args.chunks is not None and args.schedule != "interleaved":
             found.append(
@@ -101,6 +129,14 @@ def _add_run(sub) -> None:
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run)
+
+
+def _bench_module(what: str):
+    """The module of `minidist bench what` (allreduce and p2p share one)."""
+    from .bench import batch, collectives, cp, dp, moe, pipeline, sgd, tp, zero
+
+    modules = dict(dp=dp, tp=tp, pipeline=pipeline, zero=zero, sgd=sgd, batch=batch, moe=moe)
+    return dict(modules, cp=cp).get(what, collectives)
 
 
 def _add_bench(sub) -> None:

@@ -36,6 +36,17 @@ BAD = [  # (argv, a piece of the one line that must say why)
     ("bench moe --cf 0", "--cf 0.0: must be a finite number > 0"),
     ("bench cp --seq 256 --head-dim 32", "--head-dim 32 equals a chunk's m = T/c for T in [256]"),
     ("bench cp --seq 0", "--seq 0: must be at least 1"),
+    ("bench tp --d-model 15 --heads 2", "--d-model 15 is not divisible by --heads 2"),
+    ("bench pipeline --microbatches 1,,4", "--microbatches 1,,4: counts of at least 1"),
+    ("bench pipeline --microbatches 0", "--microbatches 0: counts of at least 1"),
+    ("bench sgd --rows 10 --batch 4", "--rows 10 per worker is not divisible by --batch 4"),
+    ("bench batch --base-batch 15", "--base-batch 15 is not divisible by -n 2"),
+    ("bench batch --micro 3", "is not divisible by --micro 3"),
+    ("bench batch --eval-every 100", "--eval-every 100 is not a multiple of the large batch 128"),
+    ("bench batch --warmup 1000", "--warmup 1000 is more than the large runs' 128 steps"),
+    ("bench allreduce -n 2 --max-bytes 1000G", "GiB are free"),
+    ("run -n 100000 --backend threads RING", "-n 100000: threads runs at most 256 ranks"),
+    ("train --dp 4 --pp 100 --batch 400", "--dp x --pp x --tp x --cp 400: mpi runs at most"),
     ("schedule --stages 0", "--stages 0: must be at least 1"),
     ("schedule --stages -1", "--stages -1: must be at least 1"),
     ("schedule --microbatches 0", "--microbatches 0: must be at least 1"),
@@ -157,6 +168,31 @@ def test_nccl_without_a_gpu_is_one_line(capsys):
     assert capsys.readouterr().err == (
         "minidist run: --backend nccl needs a CUDA GPU, and torch sees none: use gloo or mpi\n"
     )
+
+
+BENCHES = ["allreduce", "p2p", "dp", "tp", "pipeline", "zero", "sgd", "batch", "moe", "cp"]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("what", BENCHES)
+def test_every_benchmark_refuses_no_ranks_and_too_many_ranks_in_one_line(what, capsys, monkeypatch):
+    """-n 0, and more ranks than this machine runs (cli.most_ranks: 256 threads, 4 processes per
+    core): one line, exit 2, no rank started; the defaults have no problem."""
+    monkeypatch.setattr("minidist.launch.launch", None)  # a rank started: TypeError
+    monkeypatch.setattr("minidist.launch.run_threads", None)
+    most = cli.most_ranks("mpi")[0]
+    cases = [("0", "threads", "-n 0: must be at least 1")]
+    cases += [("100000", "threads", "-n 100000: threads runs at most 256 ranks on this machine")]
+    cases += [(str(most + 1), "mpi", f"-n {most + 1}: mpi runs at most {most} ranks")]
+    for n, backend, why in cases:
+        extra = ["2", n] if what == "zero" else [n]  # zero: a list of world sizes
+        assert cli.main(["bench", what, "-n", *extra, "--backend", backend]) == 2, (what, n)
+        err = capsys.readouterr().err
+        assert err.startswith(f"minidist bench: {why}") and err.count("\n") == 1, err
+    parser = argparse.ArgumentParser()
+    cli._add_bench(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", what])
+    assert cli.numeric_problems(args) + cli.command_problems(args) == []
 
 
 @pytest.mark.pure

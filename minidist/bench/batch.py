@@ -306,6 +306,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks;
+    every number is already in its range): every batch splits evenly over the ranks (and a
+    large one's share over its microbatches), every run evaluates at the same samples seen
+    (multiples of --eval-every, which the large batch must divide), and the warm-up fits."""
+    found, big = [], args.k * args.base_batch
+    if args.base_batch % args.n:
+        found.append(f"--base-batch {args.base_batch} is not divisible by -n {args.n}")
+    elif big // args.n % args.micro:
+        found.append(
+            f"a rank's share of the large batch, --k {args.k} x --base-batch {args.base_batch} "
+            f"/ -n {args.n} = {big // args.n}, is not divisible by --micro {args.micro}"
+        )
+    if args.eval_every % big:
+        found.append(f"--eval-every {args.eval_every} is not a multiple of the large batch {big}")
+    if args.samples < args.eval_every:
+        found.append(f"--samples {args.samples} is fewer than --eval-every {args.eval_every}")
+    if args.warmup > args.samples // big:
+        found.append(
+            f"--warmup {args.warmup} is more than the large runs' {args.samples // big} steps "
+            f"(--samples / the large batch)"
+        )
+    return found
+
+
 def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module, handing on every flag but -n."""
     own = argparse.ArgumentParser()

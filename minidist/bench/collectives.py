@@ -224,6 +224,34 @@ def add_arguments(p: argparse.ArgumentParser, what: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks;
+    every number is already in its range). A rank holds its tensor and the ring's temporaries,
+    about 3 x --max-bytes: all ranks together must fit in the memory free now."""
+    found = []
+    if args.what == "p2p" and args.n < 2:
+        found.append(f"-n {args.n}: bench p2p needs at least 2 ranks")
+    if args.min_bytes > args.max_bytes:
+        found.append(f"--min-bytes {args.min_bytes} is more than --max-bytes {args.max_bytes}")
+    free = _free_bytes()
+    if free is not None and 3 * args.n * args.max_bytes > free:
+        found.append(
+            f"--max-bytes {args.max_bytes}: {args.n} ranks need about 3 x {args.n} x that, "
+            f"{3 * args.n * args.max_bytes / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free"
+        )
+    return found
+
+
+def _free_bytes() -> int | None:
+    """The memory free now (Linux: MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            found = [line.split()[1] for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        return None
+    return int(found[0]) * 1024 if found else None
+
+
 def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module on args.backend and wait for them."""
     argv = [args.what, "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes)]

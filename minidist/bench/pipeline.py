@@ -153,6 +153,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks;
+    every number is already in its range)."""
+    words = args.microbatches.split(",")
+    if all(w.strip().isdigit() and int(w) >= 1 for w in words):
+        return []
+    return [f"--microbatches {args.microbatches}: counts of at least 1, comma-separated (1,2,4)"]
+
+
 def main(args: argparse.Namespace) -> int:
     """The parent: start args.n ranks of this module on args.backend and wait for them."""
     argv = ["--microbatches", args.microbatches, "--width", str(args.width), "--rows"]

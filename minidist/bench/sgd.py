@@ -46,6 +46,8 @@ from minidist.sgd import STRAGGLERS, VARIANTS, Config, least_squares, train
 def predicted_rate(variant: str, scenario: str, n_workers: int, args) -> float | None:
     """Gradients per second from the formulas in the module docstring (None: no formula)."""
     t, w = args.compute, n_workers
+    if t == 0:  # --compute 0: communication alone, no formula divides by it
+        return None
     if scenario == "none":
         return w / t
     if scenario == "fixed":
@@ -240,9 +242,20 @@ _FORWARDED = (
 )
 
 
-def main(args: argparse.Namespace) -> int:
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks;
+    every number is already in its range)."""
+    found = []
     if args.n < 2:
-        raise SystemExit(f"-n {args.n}: the benchmark needs a server and at least one worker")
+        found.append(f"-n {args.n}: bench sgd needs a server and at least one worker (2 ranks)")
+    if args.chance > 1:
+        found.append(f"--chance {args.chance}: a probability, in [0, 1]")
+    if args.rows % args.batch:  # each step takes the next batch of a worker's rows, in turn
+        found.append(f"--rows {args.rows} per worker is not divisible by --batch {args.batch}")
+    return found
+
+
+def main(args: argparse.Namespace) -> int:
     argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
     argv += ["--json"] if args.json else []
     return start_ranks(__name__, argv, args.n, args.backend, "minidist bench sgd")

@@ -163,6 +163,14 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run, one line each (the CLI prints them before starting ranks;
+    every number is already in its range)."""
+    if args.d_model % args.heads:  # rows whose tp divides neither heads nor T are left out
+        return [f"--d-model {args.d_model} is not divisible by --heads {args.heads}"]
+    return []
+
+
 _FORWARDED = ("backend", "batch", "seq", "d_model", "heads", "steps")
 
 
