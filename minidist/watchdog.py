@@ -33,6 +33,7 @@ import re
 import runpy
 import select
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -136,8 +137,11 @@ class Rank:
     rank: int
     pid: int | None = None
     code: int | None = None  # its exit code; None while running, or when it died unseen
-    ended: float | None = None  # when we saw it end
+    ended: float | None = None  # when we saw it end (time.monotonic())
     words: str = ""  # "exit", "txt", "after": what it left; "" ended without a word
+    # when it ended, by the evidence (time.time()): when it wrote its words, or for a rank
+    # that left none the earliest moment its lifeline may have closed; never when we looked
+    when: float = float("inf")
 
 
 class Lifelines:
@@ -147,6 +151,10 @@ class Lifelines:
 
     def __init__(self, folder: str, n: int):
         self.order: dict[int, int] = {}  # rank -> 0 for the first to die, 1, ...
+        # rank -> the last time.time() its lifeline was seen open: it died after that moment
+        # (and before we heard it); the earliest it may have died
+        self.alive_at: dict[int, float] = {}
+        self.looked = time.time()  # when the lifelines were last looked at
         self._poll = select.poll()
         self._fds: dict[int, int] = {}
         for r in range(n):
@@ -158,10 +166,15 @@ class Lifelines:
 
     def wait(self, seconds: float) -> None:
         """Sleep up to `seconds`, waking as soon as a rank ends; record who ended."""
-        for fd, _ in self._poll.poll(seconds * 1000):
+        before = self.looked
+        events = self._poll.poll(seconds * 1000)
+        self.looked = time.time()
+        for fd, _ in events:
             self._poll.unregister(fd)
             os.close(fd)
-            self.order[self._fds.pop(fd)] = len(self.order)
+            r = self._fds.pop(fd)
+            self.order[r] = len(self.order)
+            self.alive_at[r] = before
 
     def close(self) -> None:
         for fd in self._fds:
@@ -178,11 +191,11 @@ class Watch:
         self.timeout, self.deadline = timeout, deadline
         self.lifelines = lifelines
 
-    def _pause(self) -> None:
+    def _pause(self, seconds: float = 0.02) -> None:
         if self.lifelines is None:
-            time.sleep(0.02)
+            time.sleep(seconds)
         else:
-            self.lifelines.wait(0.02)
+            self.lifelines.wait(seconds)
 
     def _died(self, r: Rank) -> float:
         """r's place in the order of deaths the lifelines heard (inf: not heard)."""
@@ -201,18 +214,25 @@ class Watch:
                 if os.path.exists(self._path(r, suffix)):
                     r.ended, r.words = now, suffix
                     r.code = int(_read(self._path(r, "exit"))) if suffix == "exit" else 1
+                    r.when = os.stat(self._path(r, suffix)).st_mtime  # written as it ended
                     break
             else:
                 gone = self._gone(r)
                 if gone is not None:
                     r.ended, r.code = now, gone[0]
+                    heard = {} if self.lifelines is None else self.lifelines.alive_at
+                    r.when = heard.get(r.rank, time.time())
 
     def _gone(self, r: Rank) -> tuple[int | None] | None:
         """(exit code or None) if r's process has ended without a word; None if it runs."""
+        heard = self._died(r) < float("inf")
         if self.backend != "mpi":
-            code = self.procs[r.rank].poll()
+            try:  # its lifeline closes a moment before the process can be waited for
+                code = self.procs[r.rank].wait(0.5) if heard else self.procs[r.rank].poll()
+            except subprocess.TimeoutExpired:
+                code = None
             return None if code is None else (code,)
-        if r.pid is not None and (self._died(r) < float("inf") or not _alive(r.pid)):
+        if r.pid is not None and (heard or not _alive(r.pid)):
             return (None,)
         if self.procs[0].poll() is not None:  # mpiexec ended: so did every rank
             return (None,)
@@ -273,9 +293,13 @@ class Watch:
         may come first); with none (only timeouts), take the live ranks' stacks (a rank that
         timed out waits 5 s to be stopped, so the one it waited for is still alive); blame."""
         end = time.monotonic() + 2
-        while time.monotonic() < end and not self._causes():
+        while True:
+            # a death heard only now happened before we saw the words that brought us here
+            # (a rank writes its words alive): record it before anyone is blamed
+            self._pause(0)
             self.poll()
-            if all(r.ended is not None for r in self.ranks):
+            done = all(r.ended is not None for r in self.ranks)
+            if self._causes() or done or time.monotonic() > end:
                 break
             self._pause()
         live = [r for r in self.ranks if r.ended is None]
@@ -291,13 +315,19 @@ class Watch:
             text = _read(self._path(r, "txt")) if r.words == "txt" else ""
             if "CommTimeout" not in text:
                 found.append(r)
-        return sorted(found, key=lambda r: (r.ended, self._died(r)))  # ties: who died first
+        # blame from evidence, not from when we looked: a rank killed (no words) while we
+        # were busy reading another's words counts from the last moment it was seen alive,
+        # so a peer that failed *because* it died cannot come first
+        return sorted(found, key=lambda r: (r.when, r.words != "", self._died(r)))
 
     def _blame(self, live: list[Rank], stacks: dict[int, str]) -> Outcome:
         causes = self._causes()
         if causes:
             r = causes[0]
             return Outcome(_exit_code(r.code), r.rank, self._own_words(r))
+        left = self._left_early(r"rank (\d+) ended \(")  # the comm named it, from the roll
+        if left is not None:
+            return left
         waited = [r for r in self.ranks if r.words == "txt"]  # all timeouts now
         if waited:
             texts = {r.rank: _read(self._path(r, "txt")) for r in waited}

@@ -7,13 +7,14 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 import minidist
-from minidist.launch import _torch_env, detect_backend
+from minidist.launch import _torch_env, detect_backend, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -136,6 +137,32 @@ def test_the_watchdog_names_the_rank_that_exited_or_hung(what, backend, code, sa
     assert "no traceback: killed" not in text
     assert seconds < 3 + 12, f"the job ended {seconds:.1f}s after rank 1 misbehaved"
     assert not list(tmp_path.glob("minidist-*")), "the launcher left its folder"
+
+
+KILLED = [0, 1, 2]  # one job of 3 ranks per victim, all at once: the busier, the closer
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_the_rank_killed_first_is_blamed_every_time(backend):
+    """Blame from evidence, not from order: a rank dies by SIGKILL and the others, noticing at
+    once, fail on their own with exit code 3 a moment later (tests/scripts/kill.py). In a
+    close race on a busy machine the launcher must name the killed rank every time: it counts
+    a rank that left no words from the last moment its lifeline was seen open, and the others
+    from when they wrote theirs."""
+    script = str(SCRIPTS / "kill.py")
+
+    def job(victim: int):
+        return victim, launch([script, str(victim)], 3, backend, timeout=60)
+
+    with ThreadPoolExecutor(len(KILLED)) as pool:
+        outcomes = list(pool.map(job, KILLED))
+    for victim, outcome in outcomes:
+        assert not outcome.timed_out, outcome.report()
+        assert outcome.failed_rank == victim, f"rank {victim} was killed:\n{outcome.report()}"
+        # mpiexec keeps its ranks' exit statuses: only the gloo launcher sees the signal
+        seen = "killed by signal 9" if backend == "gloo" else "it ended without one: killed?"
+        assert f"(no traceback: {seen})" in outcome.report(), outcome.report()
 
 
 @pytest.mark.processes
