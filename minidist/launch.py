@@ -45,7 +45,7 @@ from . import processes
 from .comm.checked import CheckedComm
 from .comm.protocol import DEFAULT_TIMEOUT, CommTimeout, PeerFailed
 from .comm.threads import ThreadsWorld
-from .watchdog import Lifelines, Outcome, Watch, job_timeout
+from .watchdog import FolderRoll, Lifelines, Outcome, Watch, job_timeout
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
 WRAPPER = "import sys; from minidist.watchdog import rank_main; rank_main(sys.argv[1:])"
@@ -114,6 +114,7 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
     timeout = float(asked or DEFAULT_TIMEOUT)
     if debug is None:
         debug = os.environ.get("MINIDIST_DEBUG", "") not in ("", "0")
+    folder = os.environ.get("MINIDIST_FAILURE_DIR")  # set by minidist run: its watchdog's
     if backend == "threads":
         comm = getattr(_local, "comm", None) or ThreadsWorld(1, timeout).comm(0)
         if asked:  # a thread-rank of minidist run honours a timeout of its own too
@@ -129,10 +130,16 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
         local_rank = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank
         # torchrun's agent serves the store on MASTER_PORT itself and tells its workers so
         agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        # where no minidist run watches, the store ends the job when a rank fails; a job
+        # torchrun restarts meets the same store again, with new keys
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         comm = torchdist.init_process_group(
-            backend, rank, world, addr, port, timeout, int(local_rank), agent_serves
-        )
+            backend, rank, world, addr, port, timeout, int(local_rank), agent_serves,
+            watch=not folder, attempt=attempt,
+        )  # fmt: skip
     if backend != "threads":
+        if folder:  # the ranks' exit codes, as the wrapper leaves them for the launcher
+            comm.roll = FolderRoll(folder)
         _install_failure_hook(comm)
     return CheckedComm(comm) if debug else comm
 
@@ -155,7 +162,9 @@ def demo_init(script: str, n: int = 4):
 
 def _install_failure_hook(comm) -> None:
     """On an uncaught exception: print it tagged with the rank, leave it where `minidist run`
-    finds it, and (MPI) abort the whole job so no rank waits for the dead one."""
+    finds it, and end the whole job so no rank waits for the dead one: under `minidist run`
+    its watchdog does; otherwise MPI aborts, and torch.distributed ranks hear it through the
+    store (comm.job, exits.StoreJob), a timed-out rank naming the rank it waited for."""
 
     def hook(kind, value, tb):
         text = "".join(traceback.format_exception(kind, value, tb))
@@ -163,6 +172,10 @@ def _install_failure_hook(comm) -> None:
             shown = f"{kind.__name__}: {value}"
         else:
             shown = text
+        job = getattr(comm, "job", None)  # torch.distributed, no minidist run: the store's
+        if job is not None:  # tell every rank; a timeout also finds the hung rank
+            words = f"{kind.__name__}: {value}".splitlines()[0]
+            shown += job.fail(words, isinstance(value, CommTimeout))
         sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in shown.splitlines()))
         sys.stderr.flush()
         folder = os.environ.get("MINIDIST_FAILURE_DIR")

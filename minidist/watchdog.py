@@ -39,6 +39,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from .comm.exits import Ended
 from .comm.protocol import DEFAULT_TIMEOUT
 
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -63,6 +64,7 @@ class Outcome:
     still_running: list[int] = field(default_factory=list)
     timed_out: bool = False
     how: str = "failed"
+    rank_code: int | None = None  # the blamed rank's own exit code, where not the job's
 
     def report(self) -> str:
         if self.timed_out:
@@ -70,7 +72,8 @@ class Outcome:
         if self.failed_rank is None:
             return self.traceback or f"failed with exit code {self.returncode}"
         tb = self.traceback or "(no traceback recorded: see the rank's output above)\n"
-        return f"rank {self.failed_rank} {self.how} (exit code {self.returncode}):\n{tb}"
+        code = self.returncode if self.rank_code is None else self.rank_code
+        return f"rank {self.failed_rank} {self.how} (exit code {code}):\n{tb}"
 
 
 # ---- inside each rank ----------------------------------------------------------------------
@@ -125,6 +128,31 @@ def _hold_lifeline(folder: str, rank: int) -> None:
         os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     except OSError:  # no FIFO (a platform without them) or no reader: the launcher polls
         pass
+
+
+class FolderRoll:
+    """The roll (comm/exits.py) of a `minidist run` job: the ranks that have ended, read from
+    what they left in the launcher's folder: rank{r}.exit (the exit code the wrapper wrote the
+    moment the script ended), or rank{r}.txt / .after (a failure: code 1). A comm that waits
+    for one of them fails naming it, instead of waiting for its timeout."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def ended(self, ranks: list[int]) -> list[Ended]:
+        """The ranks among `ranks` that have ended, earliest first."""
+        found = []
+        for r in ranks:
+            for suffix in ("exit", "txt", "after"):
+                path = os.path.join(self.folder, f"rank{r}.{suffix}")
+                try:
+                    when = os.stat(path).st_mtime
+                except FileNotFoundError:
+                    continue
+                code = int(_read(path)) if suffix == "exit" else 1
+                found.append(Ended(r, code, when, "" if suffix == "exit" else "failed"))
+                break
+        return sorted(found, key=lambda e: e.when)
 
 
 # ---- in the launcher -----------------------------------------------------------------------
@@ -341,15 +369,26 @@ class Watch:
                 return Outcome(
                     1, hung[0].rank, why + _stack_text(stacks.get(hung[0].rank, "")), how="hung"
                 )
-            gone = [r for r in self.ranks if r.rank in peers and r.code == 0]
-            if gone:  # it left while a peer still needed it
-                why = f"ended (exit code 0) while rank {waited[0].rank} still waited for it:\n"
-                return Outcome(1, gone[0].rank, why + texts[waited[0].rank], how="left early")
-            return Outcome(1, waited[0].rank, texts[waited[0].rank])
-        after = sorted((r for r in self.ranks if r.words == "after"), key=lambda r: r.ended)
+            left = self._left_early(r"with peer (\d+)")  # the peer a timed-out rank waited for
+            return left or Outcome(1, waited[0].rank, texts[waited[0].rank])
+        after = sorted((r for r in self.ranks if r.words == "after"), key=lambda r: r.when)
         if after:
             return Outcome(1, after[0].rank, _read(self._path(after[0], "after")))
         return Outcome(1)
+
+    def _left_early(self, names: str) -> Outcome | None:
+        """A rank that exited 0 while another still waited for it, named (the regex `names`)
+        in the waiting rank's error: it left early, and the job fails (exit code 1)."""
+        failed = [r for r in self.ranks if r.words in ("txt", "after")]
+        for waiting in sorted(failed, key=lambda r: r.when):
+            text = _read(self._path(waiting, waiting.words))
+            named = {int(n) for n in re.findall(names, text)}
+            gone = [r for r in self.ranks if r.rank in named and r.words == "exit" and r.code == 0]
+            if gone:
+                r = min(gone, key=lambda r: r.when)
+                why = f"it ended (exit code 0) while rank {waiting.rank} still waited for it:\n"
+                return Outcome(1, r.rank, why + text, how="left early", rank_code=0)
+        return None
 
     def _own_words(self, r: Rank) -> str:
         if r.words == "txt":

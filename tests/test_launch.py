@@ -133,10 +133,28 @@ def test_the_watchdog_names_the_rank_that_exited_or_hung(what, backend, code, sa
     assert out.returncode == code, text
     assert f"minidist run: {says}" in text, text
     if "hung" in says:  # its stack, at the line where it loops
-        assert re.search(r'misbehave.py", line 2\d,? in <module>', text), text
+        assert re.search(r'misbehave.py", line \d+,? in <module>', text), text
     assert "no traceback: killed" not in text
     assert seconds < 3 + 12, f"the job ended {seconds:.1f}s after rank 1 misbehaved"
     assert not list(tmp_path.glob("minidist-*")), "the launcher left its folder"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_rank_that_leaves_early_is_named_within_seconds(backend):
+    """Rank 1 returns (exit code 0) while the others wait for it in an all_reduce: under the
+    default 60 s timeout they fail within a second, naming it, its exit code and the call, and
+    the launcher says it left early (not that a waiting rank failed or hung)."""
+    cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "3", "--backend", backend]
+    out = subprocess.run([*cmd, str(SCRIPTS / "misbehave.py"), "skip"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    ended, text = time.time(), out.stdout + out.stderr
+    began = re.search(r"rank 1 misbehaves at ([\d.]+)", text)
+    assert out.returncode == 1, text
+    assert "minidist run: rank 1 left early (exit code 0):" in text, text
+    waited = rf"rank [02] of 3 \({backend}\): all_reduce\(op=sum\) #\d+ failed: rank 1 ended"
+    assert re.search(waited + r" \(exit code 0\) while this rank waited for it", text), text
+    assert began and ended - float(began.group(1)) < 10, f"took {ended - float(began.group(1))}s"
 
 
 KILLED = [0, 1, 2]  # one job of 3 ranks per victim, all at once: the busier, the closer

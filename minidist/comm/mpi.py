@@ -31,10 +31,12 @@ so every wait has a timeout that names the rank, operation, sequence number and 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
 from .agreement import agree, finish_fused, signature, slot_bytes
+from .exits import LOOK_EVERY, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
@@ -44,6 +46,7 @@ from .protocol import (
     CommError,
     CommTimeout,
     DoneWork,
+    PeerFailed,
     SelfMessages,
     check_gather,
     check_op,
@@ -56,6 +59,7 @@ from .protocol import (
 )
 from .tagged import timeout_note
 
+GRACE = 0.5  # seconds a wait goes on after a rank it waits for was seen to end (_stuck)
 CODES = 16  # wire tag = tag * CODES + dtype code: MAX_TAG * CODES stays below MPICH's TAG_UB
 
 
@@ -95,6 +99,8 @@ class _RequestWork:
         self.status = None  # a receive sets an MPI.Status: polling allocates nothing
         self.done = False
         self.stuck = None  # called while a wait drags on: may raise to say why
+        self.next_look = 0.0  # when to look at the comm's roll again (time.monotonic())
+        self.left = None  # (words, when first seen) of a rank it waits for that has ended
 
     def is_completed(self) -> bool:
         if not self.done:
@@ -120,7 +126,7 @@ class _RequestWork:
         if self.is_completed():
             return
         try:
-            poll_until(self.is_completed, self.comm.timeout, self.describe, self.stuck)
+            poll_until(self.is_completed, self.comm.timeout, self.describe, self._stuck)
         except CommTimeout as e:
             if self.status is not None:  # a receive: cancel it, as _other_dtype does
                 self.cancel()
@@ -128,6 +134,27 @@ class _RequestWork:
                 raise
             sent = self.comm.unclaimed(self.peer)
             raise CommTimeout(f"{e}{timeout_note(self.tag, self.peer, sent)}") from None
+
+    def _stuck(self) -> None:
+        """While the wait drags on: the receive's own check (stuck), and every LOOK_EVERY s
+        the comm's roll. A rank this waits for has ended (a message: its peer; a collective:
+        every rank of the comm): PeerFailed naming it, after GRACE s more (its last messages
+        may still be on their way when its end is seen), so a wait ends within a second of
+        a peer leaving instead of at the timeout."""
+        if self.stuck is not None:
+            self.stuck()
+        now = time.monotonic()
+        if self.comm.roll is None or now < self.next_look:
+            return
+        self.next_look = now + LOOK_EVERY
+        if self.left is None:
+            ranks = self.comm.world_ranks
+            words = left_words(self.comm.roll, ranks if self.tag is None else [ranks[self.peer]])
+            self.left = (words, now) if words else None
+        if self.left is not None and now - self.left[1] > GRACE:
+            if self.status is not None:  # a receive: cancel it, as a timeout does
+                self.cancel()
+            raise PeerFailed(f"{self.describe()} failed: {self.left[0]}")
 
 
 def _buffer(host: torch.Tensor, mpi_type=None) -> list:
@@ -144,12 +171,17 @@ class MPIComm(Blocking):
 
     backend = "mpi"
     fused_bytes = 1024  # a payload this small rides in the agreement (agreement.py): 1 KiB here
+    roll = None  # who has ended (exits.py; minidist run's folder): a wait fails naming a peer
+    # that left, within a second; None (mpiexec by hand): such a wait lasts until the timeout
 
     def __init__(self, mpi_comm=None, timeout: float = DEFAULT_TIMEOUT):
         MPI = _mpi()
         self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
+        # each rank's rank in COMM_WORLD: the roll and the launcher number ranks so
+        world = MPI.COMM_WORLD.Get_group()
+        self.world_ranks = self.mpi_comm.Get_group().Translate_ranks(None, world)
         self.timeout = timeout
         self.seq = 0
         self.collectives = 0  # collectives issued: the number a mismatch is reported with
@@ -335,7 +367,9 @@ class MPIComm(Blocking):
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""
         # agree first under a timeout, so a rank that never calls split cannot hang the rest
         self.all_gather(torch.empty(self.world_size, dtype=torch.int64), torch.tensor([color]))
-        return MPIComm(self.mpi_comm.Split(color, self.rank), self.timeout)
+        comm = MPIComm(self.mpi_comm.Split(color, self.rank), self.timeout)
+        comm.roll = self.roll
+        return comm
 
     def _mpi_op(self, op: str):
         MPI = _mpi()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import frames
 from .agreement import agree, finish_fused, signature, slot_bytes
+from .exits import StoreJob, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
     Blocking,
@@ -65,11 +66,15 @@ def init_process_group(
     timeout: float,
     local_rank: int | None = None,
     agent_serves: bool = False,
+    watch: bool = False,
+    attempt: int = 0,
 ) -> TorchDistComm:
     """Join the default process group over TCP at addr:port and return the world comm.
 
     nccl: this process drives GPU local_rank (its rank among the ranks of its machine).
     agent_serves: a launcher's agent (torchrun's) serves the store at addr:port: join it.
+    watch: no `minidist run` watches this job: the store tells every rank when one fails or
+    ends (comm.job, a StoreJob of exits.py; attempt: torchrun's restart count, its keys').
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not 'gloo' or 'nccl'")
@@ -97,7 +102,16 @@ def init_process_group(
             f"and MASTER_PORT?"
         ) from e
     atexit.register(close_all)
-    return TorchDistComm(None, backend, device, timeout)
+    comm = TorchDistComm(None, backend, device, timeout)
+    if watch and world_size > 1:
+        serves = rank == 0 and not agent_serves
+        prefix = f"minidist/{attempt}/"
+        comm.job = StoreJob(store, rank, world_size, serves, prefix, linger=timeout)
+        comm.roll = comm.job
+        # registered after close_all, so it runs before it (atexit runs the last first): this
+        # rank's end is in the store before its connections close and wake a waiting peer
+        atexit.register(comm.job.close)
+    return comm
 
 
 def _store(rank: int, world_size: int, addr: str, port: int, wait, agent_serves: bool = False):
@@ -167,13 +181,16 @@ class _TorchWork:
                 work.wait(timeout=datetime.timedelta(seconds=self.comm.timeout))
         except RuntimeError as e:
             where = describe(self.comm, self.what, self.seq, self.peer)
+            left = self.comm._left(self.what, self.peer)
             if time.monotonic() - start >= self.comm.timeout * 0.99:
                 note = "" if self.tag is None else timeout_note(self.tag, self.peer, None)
                 if self.expects is not None:
                     t = self.expects
                     note = f" (expects {t.numel()} x {t.dtype}; far other sizes never match){note}"
+                note += f"; {left}" if left else ""
                 raise CommTimeout(f"{where} timed out after {self.comm.timeout:g}s{note}") from e
-            raise PeerFailed(f"{where} failed: {e}") from e
+            reason = f"{left}: {e}" if left else e
+            raise PeerFailed(f"{where} failed: {reason}") from e
         self.done = True
 
 
@@ -181,6 +198,8 @@ class TorchDistComm(Blocking):
     """A `Comm` over a torch.distributed process group (None = the default group)."""
 
     fused_bytes = 16384  # rides in the agreement (agreement.py): gloo's choice; nccl shares it
+    roll = None  # who has ended (exits.py): a failed wait names a peer that left; None: no one
+    job = None  # the world comm's StoreJob, where no `minidist run` watches (init_process_group)
 
     def __init__(self, group, backend: str, device: torch.device, timeout=DEFAULT_TIMEOUT):
         self.group = group
@@ -218,7 +237,17 @@ class TorchDistComm(Blocking):
         except RuntimeError as e:
             if not any(word in str(e) for word in ("closed", "reset", "Broken pipe")):
                 raise
-            raise PeerFailed(f"{describe(self, what, self.seq, peer)} failed: {e}") from e
+            left = self._left(what, peer)
+            reason = f"{left}: {e}" if left else e
+            raise PeerFailed(f"{describe(self, what, self.seq, peer)} failed: {reason}") from e
+
+    def _left(self, what: str, peer) -> str:
+        """'rank 1 ended (exit code 0) while this rank waited for it' when the roll has seen a
+        rank that `what` waits for end (a message: its peer; a collective: every rank of this
+        comm), else ''. Gloo's own words name an address, not a rank."""
+        message = what.startswith(("send(", "recv("))
+        waits_for = [peer] if message else range(self.world_size)
+        return left_words(self.roll, [self._global(r) for r in waits_for])
 
     def _work(self, works, what, peer=None, finish=lambda: None) -> CallbackWork:
         works = works if isinstance(works, list) else [works]
@@ -393,6 +422,7 @@ class TorchDistComm(Blocking):
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise CommError(f"rank {self.rank}: split(color={color}) made no group")
         comm = TorchDistComm(group, self.backend, self.device, self.timeout)
+        comm.roll = self.roll
         _split_comms.add(comm)
         return comm
 
