@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -48,7 +47,11 @@ from .comm.threads import ThreadsWorld
 from .watchdog import FolderRoll, Lifelines, Outcome, Watch, job_timeout
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
-WRAPPER = "import sys; from minidist.watchdog import rank_main; rank_main(sys.argv[1:])"
+# rank 0 takes the launcher's standard input first (processes.take_stdin: mpi passes it down)
+WRAPPER = (
+    "import sys; from minidist.processes import take_stdin; take_stdin(); "
+    "from minidist.watchdog import rank_main; rank_main(sys.argv[1:])"
+)
 # seconds the ranks of a job that succeeded get to leave (MPI_Finalize, mpiexec's last output):
 # MPICH's finalize waits forever for a message sent but never received (a worker a parameter
 # server dropped), and every rank has already reported exit code 0
@@ -235,7 +238,7 @@ def launch(
         raise ValueError(f"-n {n}: the number of ranks must be at least 1")
     if backend not in ("mpi", "gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: launch starts processes for 'mpi', 'gloo', 'nccl'")
-    failures = tempfile.mkdtemp(prefix="minidist-")
+    failures, lock = processes.job_folder()  # removed in the finally, or by a later launch
     base = dict(os.environ, **(env or {}), MINIDIST_BACKEND=backend)
     base["MINIDIST_FAILURE_DIR"] = failures
     base.setdefault("PYTHONUNBUFFERED", "1")
@@ -253,13 +256,14 @@ def launch(
             # we stop the job ourselves: mpiexec's own cleanup would SIGKILL every rank within
             # a millisecond of the first death, leaving no trace of which rank died first
             cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), *wrapped]
-            procs.append(processes.start(cmd, base))
+            procs.append(processes.start(cmd, base, stdin="pass"))  # for rank 0 alone
         else:
             port = free_port()
             for r in range(n):
                 rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
                 rank_env.update(LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1")
-                procs.append(processes.start(wrapped, dict(rank_env, MASTER_PORT=str(port))))
+                stdin = "inherit" if r == 0 else "none"  # rank 0 alone reads the input
+                procs.append(processes.start(wrapped, dict(rank_env, MASTER_PORT=str(port)), stdin))
         linger = job_timeout(base) if linger is None else linger
         watch = Watch(procs, n, backend, failures, linger, deadline, lifelines)
         outcome = watch.run() or Outcome(0)
@@ -272,7 +276,7 @@ def launch(
         processes.stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher
         if lifelines is not None:
             lifelines.close()
-        shutil.rmtree(failures, ignore_errors=True)
+        processes.release_folder(failures, lock)
         if old is not None:
             signal.signal(signal.SIGTERM, old)
 

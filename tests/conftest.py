@@ -8,12 +8,19 @@
 MINIDIST_HYPOTHESIS=grade picks the second (`tools/labs.py grade` sets it). A test's own
 `@settings(max_examples=..., deadline=None)` keeps the profile's other choices: settings inherit
 from the profile loaded when the test module is imported, and this file is loaded first.
+
+And the suite leaves nothing behind: its temporary files go to a folder of its own (TMPDIR for
+every process it starts, tempfile's folder in this one), which must be empty at the end; no
+other process on the machine writes there, so the check is exact.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
+import pytest
 from hypothesis import Phase, settings
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=False)
@@ -21,3 +28,30 @@ settings.register_profile(
     "grade", settings.get_profile("ci"), phases=[Phase.explicit, Phase.generate]
 )
 settings.load_profile(os.environ.get("MINIDIST_HYPOTHESIS", "ci"))
+
+
+# torch's own compiled-kernel cache, which it keeps on purpose (here it goes with the folder)
+TORCH_CACHES = ("torchinductor_",)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_temporary_folder(tmp_path_factory):
+    """The suite's own temporary folder; at the end, every entry a test, a launcher or a tool
+    left there is an error naming it (and the folder goes)."""
+    tmp_path_factory.getbasetemp()  # pytest's tmp_path folders: where they were, pytest's
+    folder = tempfile.mkdtemp(prefix="minidist-suite-")
+    names = ("TMPDIR", "PYTEST_DEBUG_TEMPROOT")
+    old = {name: os.environ.get(name) for name in names} | {"tempdir": tempfile.tempdir}
+    # a pytest run inside this one (grading a lab) keeps its tmp_path folders where ours are
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    yield folder
+    for name in names:
+        if old[name] is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old[name]
+    tempfile.tempdir = old["tempdir"]
+    left = sorted(x for x in os.listdir(folder) if not x.startswith(TORCH_CACHES))
+    shutil.rmtree(folder, ignore_errors=True)
+    assert not left, f"the suite left {len(left)} entries in its temporary folder: {left[:20]}"

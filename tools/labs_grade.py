@@ -2,32 +2,50 @@
 
 A task's checks are the tests its row of the lesson README's lab table names (`test_...` in
 backticks), plus the hidden tests (tests/hidden/test_labNN*.py, in the instructor's copy only)
-whose name starts with `test_NN_k_`. Each check is one point; a check passes when every case of
-that test passes. Every task is reported, whatever the others do, with the first failing check's
-message on one line; a check that fails on another region's `NotImplementedError` says which.
-Grading runs derandomized without shrinking (the `grade` profile of tests/conftest.py) and with
-MINIDIST_TIMEOUT=10, so a lab that deadlocks fails in seconds, and it refuses a file changed
-outside its lab regions, or whose regions import the reference module. The last grade of each
-lesson's own lab (not of a --file) is kept in out/grades/NN.json, which `status` reads.
+whose name starts with `test_NN_k_`. A test is a check of one task at most; a check passes when
+every case of that test passes. Points (POLICY, instructor/grading.md): each task is worth the
+points labs_table gives it, its checks share them equally, and a task earns its points times
+the share of its checks that pass, rounded down to a tenth. Every task is reported, whatever the
+others do, with the first failing check's message on one line: the exception's own words (a
+deadlock's cycle, a timeout's rank and operation); a check that fails on another region's
+`NotImplementedError` says which.
+
+Grading runs derandomized without shrinking (the `grade` profile of tests/conftest.py), with
+MINIDIST_TIMEOUT=3 (no comm waits longer: a rank stuck while the others wait fails in seconds;
+a deadlock fails at once, named by the threads world's detector) and, for code that loops
+outside the ranks, PURE_LIMIT seconds per example. Every module outside the lab is the
+reference (other labs' MINIDIST_IMPL_* are cleared). It refuses a file changed outside its lab
+regions, or whose regions import the reference module. The last grade of each lesson's own lab
+(not of a --file) is kept in out/grades/NN.json, which `status` reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import re
+import shutil
+import signal
 import sys
 import tempfile
 import time
 
 import labs
 
-TIMEOUT = "10"  # seconds a graded comm may wait: a correct lab waits milliseconds
+TIMEOUT = "3"  # seconds a graded comm may wait: a correct lab waits milliseconds
+PURE_LIMIT = 12.0  # seconds an example may run outside the ranks (a threads run: 4 x TIMEOUT)
 TEST = re.compile(r"`(test_\w+)`")
 ROW = re.compile(r"^\|\s*(?:Lab )?(\d\d\.\d+)\b")
 GRADES = os.path.join(labs.ROOT, "out", "grades")  # the last grade of each lab, for `status`
+POLICY = (
+    "each task is worth its points; its checks share them equally; a task earns its points "
+    "x the checks passed / its checks, rounded down to a tenth (all of them only when every "
+    "check passes)"
+)
 
 
 def tasks(lesson: str) -> dict[str, list[str]]:
@@ -46,18 +64,45 @@ def tasks(lesson: str) -> dict[str, list[str]]:
     return found
 
 
+def points(lesson: str) -> dict[str, float]:
+    """{task id: what it is worth}, from labs_table (10 a lab)."""
+    return labs.LABS[lesson]["points"]
+
+
+def earned(worth: float, passed: int, checks: int) -> float:
+    """POLICY: worth x passed / checks, rounded down to a tenth; all of it only if all pass."""
+    if checks and passed == checks:
+        return worth
+    return math.floor(10 * worth * passed / checks + 1e-9) / 10 if checks else 0.0
+
+
 def hidden(lesson: str) -> list[str]:
     """The instructor's hidden test files for the lab (none in a student's copy)."""
     return sorted(glob.glob(os.path.join(labs.ROOT, "tests", "hidden", f"test_lab{lesson}*.py")))
 
 
 class Outcomes:
-    """A pytest plugin: per test function, whether every case passed, and the first failure."""
+    """A pytest plugin: per test function, whether every case passed, and the first failure.
+    only: the test functions to run (None: all)."""
 
-    def __init__(self):
+    def __init__(self, only: set[str] | None = None):
         self.passed: dict[str, bool] = {}
         self.failure: dict[str, str] = {}
         self.ran = 0
+        self.only = only
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        if self.only is None:
+            return
+        keep = [item for item in items if item.name.split("[")[0] in self.only]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+    def pytest_runtest_setup(self, item) -> None:
+        import pytest
+
+        if self.passed.get(item.name.split("[")[0]) is False:  # one failing case fails it
+            pytest.skip("this check has already failed: its other cases need not run")
 
     def pytest_runtest_logreport(self, report) -> None:
         name = report.nodeid.split("::")[-1].split("[")[0]
@@ -70,56 +115,163 @@ class Outcomes:
             self.failure[name + ":crash"] = crash.message if crash else ""
 
 
-def one_line(text: str, crash: str, task: str) -> str:
-    """A failure's text as one line: the unfilled region it hit, else the exception itself."""
+class Hang(Exception):
+    """An example that ran past PURE_LIMIT outside the ranks (a loop that never ends)."""
+
+
+class Limit:
+    """A pytest plugin: each example (each hypothesis example, or the whole test) fails with
+    Hang after PURE_LIMIT seconds, unless it is inside the multi-rank harness, whose own
+    timeouts (the comm's, MINIDIST_TIMEOUT, and the run's) end it. SIGALRM: main thread only."""
+
+    def _expired(self, signum, frame) -> None:
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in ("run_threads", "run_processes") and code.co_filename.endswith(
+                os.path.join("minidist", "testing.py")
+            ):
+                signal.setitimer(signal.ITIMER_REAL, PURE_LIMIT)  # the harness times it
+                return
+            frame = frame.f_back
+        raise Hang(
+            f"still running after {PURE_LIMIT:g}s outside the ranks: a loop that never ends?"
+        )
+
+    def _arm(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, PURE_LIMIT)
+
+    def pytest_runtest_call(self, item):
+        given = getattr(item.obj, "hypothesis", None)
+        inner = given.inner_test if given is not None else None
+        if inner is not None:
+
+            def each_example(*args, **kwargs):
+                self._arm()  # a fresh limit for every example
+                return inner(*args, **kwargs)
+
+            given.inner_test = each_example
+        before = signal.signal(signal.SIGALRM, self._expired)
+        self._arm()
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+            if inner is not None:
+                given.inner_test = inner
+
+    pytest_runtest_call.hookwrapper = True  # type: ignore[attr-defined]
+
+
+HARNESS = re.compile(r"^(?:AssertionError: )?rank (\d+) of (\d+) failed:$")
+EXCEPTION = re.compile(r"^[\w.]*(?:Error|Exception|Timeout|Deadlock|PeerFailed|Mismatch|Hang)\b")
+
+
+def _final_exception(lines: list[str]) -> list[str]:
+    """The last exception of a traceback's lines: its `Type: message` line and the lines of
+    its message (the frames are indented, the exception starts at the margin)."""
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    rest = lines[frames[-1] + 1 :] if frames else lines
+    while rest and rest[0].startswith("    "):  # the frame's code and its ^^^^ marks
+        rest = rest[1:]
+    return [line for line in rest if line.strip()]
+
+
+def one_line(text: str, crash: str, task: str, limit: int = 220) -> str:
+    """A failure's text as one line: the unfilled region it hit, else the exception's own
+    message: a rank's exception (named `rank r of p: ...`), a deadlock's first two lines (what
+    happened, the wait-for cycle), a timeout's rank and operation, an assertion's words."""
     hit = re.search(r"Lab (\d\d\.\d+): ", text)
     if hit:
         return f"unfilled Lab {hit[1]}" + (f" (blocks {task})" if task not in ("", hit[1]) else "")
-    lines = [line.strip() for line in (crash or text).splitlines() if line.strip()]
-    if any(line.startswith("Traceback") for line in lines):
-        lines = [lines[0], lines[-1]]  # "rank 2 of 4 failed:", then the rank's exception
-    line = " / ".join(lines[:2]) if lines else "failed"
-    return line if len(line) <= 110 else line[:107] + "..."
+    lines = [re.sub(r"^E   ?", "", line).rstrip() for line in (crash or text).splitlines()]
+    for end, line in enumerate(lines):  # hypothesis's report of the case comes after
+        if line.startswith(("Failing test case:", "Falsifying example")):
+            lines = lines[:end]
+            break
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        return "failed"
+    rank = HARNESS.match(lines[0].strip())
+    if rank and len(lines) > 1:
+        own = _final_exception(lines[1:])
+        head = re.sub(r"^[\w.]*\.(?=\w+(?:Error|Timeout|Deadlock|PeerFailed)\b)", "", own[0])
+        says = head.split(": ", 1)[-1] if ": " in head else ""
+        named = says.startswith(f"rank {rank[1]} of {rank[2]}") or says.startswith("deadlock")
+        kept = [head if named else f"rank {rank[1]} of {rank[2]}: {head}"]
+        if "Deadlock" in head and len(own) > 1:
+            kept.append(own[1].strip())  # the wait-for cycle
+        line = " / ".join(kept)
+    else:
+        first = lines[0].strip()
+        if first.startswith("AssertionError: ") and re.match(
+            r"AssertionError: (deadlock|timed out|rank \d+ \w+ while)", first
+        ):
+            first = first.removeprefix("AssertionError: ")  # the harness's own words
+        kept = [first]
+        if first.startswith("deadlock") and len(lines) > 1:
+            kept.append(lines[1].strip())  # the wait-for cycle
+        line = " / ".join(kept)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def run_tests(lesson: str, paths: list[str], extra: list[str], verbose: bool) -> Outcomes:
+def _clear_other_labs(lesson: str) -> None:
+    """Every module outside the lab is the reference: drop other labs' MINIDIST_IMPL_*."""
+    mine = {labs.env_var(lesson, k) for k in range(len(labs.parts(lesson)))}
+    for key in [k for k in os.environ if k.startswith("MINIDIST_IMPL_") and k not in mine]:
+        del os.environ[key]
+
+
+def run_tests(
+    lesson: str, paths: list[str], extra: list[str], verbose: bool, only: set[str] | None = None
+) -> Outcomes:
     """The lesson's tests (and its hidden ones) in this process, against the files at `paths`
-    (one per part of the lab: lab.py, then lab_train.py, ...)."""
+    (one per part of the lab: lab.py, then lab_train.py, ...); only: these test functions."""
     import pytest
 
+    _clear_other_labs(lesson)
     for part, path in enumerate(paths):
         os.environ[labs.env_var(lesson, part)] = path
     os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
-    outcomes = Outcomes()
+    outcomes = Outcomes(only)
     quiet = ["--tb=short", "-q"] if verbose else ["-p", "no:terminal"]
     args = [*labs.LABS[lesson]["grade"], *hidden(lesson), *quiet, "-p", "no:cacheprovider"]
     old = os.getcwd()
     os.chdir(labs.ROOT)
     try:
-        pytest.main([*args, "-o", "addopts=", *extra], [outcomes])
+        pytest.main([*args, "-o", "addopts=", *extra], [outcomes, Limit()])
     finally:
         os.chdir(old)
     return outcomes
 
 
-def score(lesson: str, outcomes: Outcomes) -> dict:
-    """The grade: per task its checks, points earned, verdict and first failure's message."""
+def score(lesson: str, outcomes: Outcomes, only: set[str] | None = None) -> dict:
+    """The grade: per task its checks, points earned, verdict and first failure's message.
+    only: grade these tasks alone (the others are left out)."""
     rows, named = [], set()
+    worth = points(lesson)
     for task, tests in tasks(lesson).items():
+        named |= set(tests)
+        if only is not None and task not in only:
+            continue
         checks = []
         for test in tests:
-            named.add(test)
             passed = outcomes.passed.get(test)
-            message = "" if passed else "not run" if passed is None else ""
+            message = "not run" if passed is None else ""
             if passed is False:
                 message = one_line(outcomes.failure[test], outcomes.failure[test + ":crash"], task)
             checks.append({"test": test, "passed": bool(passed), "message": message})
-        earned = sum(c["passed"] for c in checks)
+        n_passed = sum(c["passed"] for c in checks)
         failing = [c for c in checks if not c["passed"]]
         failing.sort(key=lambda c: "(blocks" in c["message"])  # its own failures first
         first = f"{failing[0]['test']}: {failing[0]['message']}" if failing else ""
         rows.append(
-            {"task": task, "points": len(checks), "earned": earned, "passed": earned == len(checks)}
+            {
+                "task": task,
+                "points": worth[task],
+                "earned": earned(worth[task], n_passed, len(checks)),
+            }
+            | {"passed": n_passed == len(checks), "checks_passed": n_passed}
             | {"message": first, "checks": checks}
         )
     others = [t for t, ok in outcomes.passed.items() if not ok and t not in named]
@@ -128,25 +280,35 @@ def score(lesson: str, outcomes: Outcomes) -> dict:
     ]
     return {
         "lesson": lesson,
+        "policy": POLICY,
         "tasks": rows,
-        "earned": sum(r["earned"] for r in rows),
-        "points": sum(r["points"] for r in rows),
+        "earned": round(sum(r["earned"] for r in rows), 1),
+        "points": round(sum(r["points"] for r in rows), 1),
         "other_failures": other,
         "tests_run": outcomes.ran,
     }
 
 
+def _pts(x: float) -> str:
+    return f"{x:g}" if x == int(x) else f"{x:.1f}"
+
+
 def table(result: dict) -> str:
     """The grade as the text table `make lab` prints."""
-    lines = [f"{'task':<6} {'points':>7}  {'result':<7} first failing check", "-" * 78]
+    lines = [f"{'task':<6} {'points':>9} {'checks':>7}  {'result':<7} first failing check"]
+    lines.append("-" * 78)
     for row in result["tasks"]:
         verdict = "passed" if row["passed"] else "failed"
-        points = f"{row['earned']:>2} / {row['points']:<2}"
-        lines.append(f"{row['task']:<6} {points:>7}  {verdict:<7} {row['message']}".rstrip())
+        got = f"{_pts(row['earned']):>4} / {_pts(row['points']):<2}"
+        checks = f"{row['checks_passed']}/{len(row['checks'])}"
+        lines.append(
+            f"{row['task']:<6} {got:>9} {checks:>7}  {verdict:<7} {row['message']}".rstrip()
+        )
     lines.append("-" * 78)
-    points = f"{result['earned']:>2} / {result['points']:<2}"
+    got = f"{_pts(result['earned']):>4} / {_pts(result['points']):<2}"
     ran = f"{result['tests_run']} test cases run in {result['seconds']:.0f}s"
-    lines.append(f"{'total':<6} {points:>7}  ({ran})")
+    lines.append(f"{'total':<6} {got:>9}          ({ran})")
+    lines.append(f"points: {result['policy']}")
     lines += [f"also failing (no points): {other}" for other in result["other_failures"]]
     return "\n".join(lines)
 
@@ -170,10 +332,17 @@ def refusal(lesson: str, path: str, part: int = 0) -> str:
 def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict) -> int:
     """Grade the lab's files (default: the lesson's lab.py, lab_train.py, ...); print the
     table; 0 when every task passes, 1 when some fail, 3 when a file is refused. options:
-    json, junit, verbose."""
+    json (a path, '-': the JSON alone on stdout, the rest on stderr), junit, verbose, tasks
+    (grade only these task ids)."""
     n = len(labs.parts(lesson))
     if files is not None and len(files) != n:
         print(f"lab {lesson}: --file takes {n} files, one per part, got {len(files)}")
+        return 2
+    only = set(options["tasks"]) if options.get("tasks") else None
+    if only is not None and only - set(tasks(lesson)):
+        print(
+            f"lab {lesson} has no task {sorted(only - set(tasks(lesson)))}: {sorted(tasks(lesson))}"
+        )
         return 2
     paths = [os.path.abspath(f) for f in files or [labs.lab_path(lesson, k) for k in range(n)]]
     path = paths[0]
@@ -189,20 +358,46 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
         print(f"lab {lesson}: {shown} is refused: {result['refused']}", file=sys.stderr)
         _report(result, options)
         return 3
-    print(f"lab {lesson}: grading {shown} (pytest {' '.join(labs.LABS[lesson]['grade'])})")
-    start = time.monotonic()
-    if options.get("junit"):
-        extra = [*extra, f"--junitxml={os.path.abspath(options['junit'])}"]
-    outcomes = run_tests(lesson, paths, extra, options.get("verbose", False))
-    result |= score(lesson, outcomes) | {"seconds": round(time.monotonic() - start, 1)}
-    result["date"] = time.strftime("%Y-%m-%d %H:%M")
-    print(table(result))
+    # with --json -, stdout carries the JSON alone: the table and pytest's words go to stderr
+    out = sys.stderr if options.get("json") == "-" else sys.stdout
+    with contextlib.redirect_stdout(out):
+        print(f"lab {lesson}: grading {shown} (pytest {' '.join(labs.LABS[lesson]['grade'])})")
+        start = time.monotonic()
+        if options.get("junit"):
+            extra = [*extra, f"--junitxml={os.path.abspath(options['junit'])}"]
+        selected = None if only is None else {t for k in only for t in tasks(lesson)[k]}
+        outcomes = run_tests(lesson, paths, extra, options.get("verbose", False), selected)
+        result |= score(lesson, outcomes, only) | {"seconds": round(time.monotonic() - start, 1)}
+        result["other_labs"] = other_labs(lesson)
+        result["date"] = time.strftime("%Y-%m-%d %H:%M")
+        print(table(result))
+        if result["other_labs"] and labs.handout() is not None:
+            print(
+                f"these tests also ran your labs {', '.join(result['other_labs'])}: a failure "
+                "may be theirs (the instructor grades each lab against the reference of the rest)"
+            )
     _report(result, options)
-    if path == os.path.abspath(labs.lab_path(lesson)):  # the learner's own lab: for `status`
+    if path == os.path.abspath(labs.lab_path(lesson)) and only is None:  # the learner's own lab
         os.makedirs(GRADES, exist_ok=True)
         with open(os.path.join(GRADES, f"{lesson}.json"), "w") as f:
             json.dump(result, f, indent=1)
-    return 0 if result["earned"] == result["points"] and result["points"] else 1
+    return 0 if result["tasks"] and all(r["passed"] for r in result["tasks"]) else 1
+
+
+def other_labs(lesson: str) -> list[str]:
+    """The other labs whose modules (minidist/...) the tests loaded: the reference in the
+    instructor's copy; in a student's copy, the student's own code."""
+    loaded = {
+        os.path.abspath(m.__file__)
+        for m in list(sys.modules.values())
+        if getattr(m, "__file__", None)
+    }
+    return sorted(
+        other
+        for other in labs.LABS
+        if other != lesson
+        if any(os.path.join(labs.ROOT, lab["module"]) in loaded for lab in labs.parts(other))
+    )
 
 
 def _report(result: dict, options: dict) -> None:
@@ -242,7 +437,8 @@ def status() -> str:
         graded = "never"
         if os.path.exists(last):
             g = json.load(open(last))
-            graded = "refused" if g.get("refused") else f"{g['earned']}/{g['points']} {g['date']}"
+            got = f"{_pts(g['earned'])}/{_pts(g['points'])} {g['date']}"
+            graded = "refused" if g.get("refused") else got
             if g.get("sha256s", [g.get("sha256")] * (part + 1))[part] != _digest(path):
                 graded += " (file changed since)"
         lines.append(f"{lesson:<4} {shown:<40} {left_text:<16} {graded}")
@@ -253,7 +449,8 @@ def _probe(lesson: str, cut: set[str]) -> Outcomes:
     """Run the lesson's probe tests, in this process, against a lab with `cut` regions cut."""
     import pytest
 
-    folder = tempfile.mkdtemp(prefix="minidist-lab-")
+    folder = tempfile.mkdtemp(prefix="minidist-lab-")  # removed when the probe has run
+    _clear_other_labs(lesson)
     for part, lab in enumerate(labs.parts(lesson)):
         path = os.path.join(folder, lab["lab"])
         with open(path, "w") as f:
@@ -274,6 +471,7 @@ def _probe(lesson: str, cut: set[str]) -> Outcomes:
         os.chdir(old)
         for part in range(len(labs.parts(lesson))):
             del os.environ[labs.env_var(lesson, part)]
+        shutil.rmtree(folder, ignore_errors=True)
     return outcomes
 
 
