@@ -14,8 +14,8 @@ MINIDIST_BACKEND (set by `minidist run`) overrides the guess. Beyond one machine
 you already have; the script does not change:
 
     mpiexec -f hosts -n 16 python train.py
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint host0:29500 train.py
-    srun -N 2 --ntasks-per-node 8 python train.py     # MASTER_ADDR: the first node
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29500 train.py
+    srun -N 2 --ntasks-per-node 8 --kill-on-bad-exit=1 python train.py   # MASTER_ADDR: first node
 
 Outside, `minidist run -n N [--backend mpi|gloo|threads] script.py args` starts N ranks on this
 machine: mpi hands over to `mpiexec`, gloo spawns N processes with the torchrun variables on a
@@ -23,7 +23,9 @@ free port (every rank with OMP_NUM_THREADS = cores // N unless set: the ranks' t
 must not fight over the cores), threads runs N copies of the script as threads of this process.
 When a rank fails the others are stopped within seconds, the failing rank and its traceback are
 reported, and the exit code is the failing rank's; a hung rank is named with its stack (the
-watchdog, watchdog.py).
+watchdog, watchdog.py). Under the other launchers, init() gives the comm a roll of the ranks
+that ended (a wait on one fails naming it), and torch.distributed ranks a StoreJob that ends
+the whole job when one fails (comm/exits.py).
 """
 
 from __future__ import annotations

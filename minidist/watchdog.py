@@ -19,9 +19,14 @@ The launcher polls every 20 ms (waking at once when a lifeline closes) and stops
     ranks time out waiting (CommTimeout) for a peer still running            -> the peer: hung
         (unless its stack shows it waiting in a comm too: then the rank that timed out)
     a rank still runs `timeout` seconds after another finished cleanly       -> it: hung
-and names the rank that caused it, in this order: its own failure (the earliest), a rank that
-ended without a word (killed), a hung rank (with its stack), a rank that timed out, a rank that
-only saw a peer fail (PeerFailed). The job's exit code is the blamed rank's.
+    ranks fail naming a peer that ended with exit code 0 while they waited   -> it: left early
+and names the rank that caused it, in this order: the earliest of those that failed on their
+own or ended without a word (killed), a rank that left early, a hung rank (with its stack), a
+rank that timed out, a rank that only saw a peer fail (PeerFailed). Earliest by evidence: when
+a rank wrote its words (the file's time), or, for one that left none, the last moment its
+lifeline was seen open; never when the launcher happened to look. The job's exit code is the
+blamed rank's (1 for one that left early). The words also serve the ranks: FolderRoll reads
+them for a comm that waits on a rank that has ended (comm/exits.py).
 Lesson: lessons/03_debugging_hangs/ (the watchdog).
 """
 
