@@ -30,6 +30,7 @@ the whole job when one fails (comm/exits.py).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import runpy
@@ -125,9 +126,14 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
         if asked:  # a thread-rank of minidist run honours a timeout of its own too
             comm.timeout = timeout
     elif backend == "mpi":
+        from .comm.exits import MPIJob
         from .comm.mpi import MPIComm
 
         comm = MPIComm(timeout=timeout)
+        if not folder and comm.world_size > 1 and _thread_multiple():
+            # no minidist run watches: a rank that times out asks the others who hangs
+            comm.job = MPIJob(comm.mpi_comm)
+            atexit.register(comm.job.close)  # runs before MPI_Finalize (mpi4py's, at exit)
     else:
         from .comm import torchdist
 
@@ -147,6 +153,14 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
             comm.roll = FolderRoll(folder)
         _install_failure_hook(comm)
     return CheckedComm(comm) if debug else comm
+
+
+def _thread_multiple() -> bool:
+    """Whether MPI lets a second thread call it while the main thread does (MPIJob's watcher
+    needs it; mpi4py asks for it, and MPICH from pip grants it)."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def demo_init(script: str, n: int = 4):

@@ -230,6 +230,19 @@ def test_by_hand_a_rank_running_on_after_rank_0_finished_is_named():
 
 
 @pytest.mark.processes
+def test_mpiexec_by_hand_a_hung_rank_is_named():
+    """MPI has no store: the rank that timed out asks the others for their state over a
+    communicator of their own, names the one not waiting in the comm, then aborts the job."""
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(SCRIPTS / "misbehave.py"), "hang"]
+    results = finish([start(cmd, rank_env(MINIDIST_TIMEOUT="2"))])
+    ended, text = time.time(), results[0][1]
+    assert results[0][0] != 0, text
+    assert "[rank 0] rank 1 hung: no progress while rank 0 waited for it" in text, text
+    assert re.search(r'misbehave.py", line \d+, in <module>', text), text  # rank 1's stack
+    assert ended - began(text) < 2 + 8, f"ended {ended - began(text):.1f}s after rank 1 hung"
+
+
+@pytest.mark.processes
 def test_srun_a_hung_rank_ends_the_step_and_is_named():
     why = slurm()
     if why is not None:

@@ -3,7 +3,7 @@
 A rank waiting for a peer that has ended would wait until its timeout (mpi: nothing tells it)
 or fail with Gloo's bare "Connection closed by peer", naming nobody. And under a launcher that
 stops no one (Slurm's srun, ranks started by hand), one failed or timed-out rank leaves the
-others waiting until the allocation runs out. Two pieces:
+others waiting until the allocation runs out. Three pieces:
 
 - A *roll*: `roll.ended(ranks) -> [Ended]`, the ranks (of the world) among `ranks` that have
   ended, earliest first, each with its exit code. A comm consults its roll where it waits
@@ -29,6 +29,9 @@ others waiting until the allocation runs out. Two pieces:
   a rank still running `linger` seconds after rank 0 finished is named hung the same way.
   Costs: one TCP connection and ten small store queries a second per rank; nothing on the
   comm's own path.
+- `MPIJob`, for MPI ranks that no `minidist run` watches: a failing rank ends the job with
+  MPI_Abort (launch.py's failure hook), and one that timed out first asks the others for their
+  state over a communicator of their own, naming the hung rank the same way.
 """
 
 from __future__ import annotations
@@ -89,6 +92,23 @@ def main_stack() -> tuple[bool, str]:
     if frame is None:
         return False, "(the main thread has ended)\n"
     return in_comm(frame), "".join(traceback.format_stack(frame))
+
+
+def hung_rank(others, states: dict, suspects: list[int], silent: str) -> tuple[int, str] | None:
+    """(rank, stack) of the rank among `others` that is not waiting inside the comm, by the
+    states {rank: (waiting?, stack)} they gave (one that gave none: not waiting; its stack
+    `silent`), the suspects first (the peers a timeout names); None if every one waits."""
+    hung = [r for r in others if not states.get(r, (False, ""))[0]]
+    if not hung:
+        return None
+    r = min(hung, key=lambda r: (r not in suspects, r))
+    return r, states[r][1] if r in states else silent
+
+
+def hung_words(hung: tuple[int, str], rank: int) -> str:
+    """'rank 1 hung: no progress while rank 0 waited for it', then its stack."""
+    r, stack = hung
+    return f"rank {r} hung: no progress while rank {rank} waited for it\nits stack:\n{stack}"
 
 
 class StoreJob:
@@ -202,11 +222,7 @@ class StoreJob:
             hung = self._hung(f"rank {self.rank}: {words}", suspects)
         except RuntimeError:  # the store's host is gone: the others learn it from their comm
             return ""
-        if hung is None:
-            return ""
-        r, stack = hung
-        why = f"rank {r} hung: no progress while rank {self.rank} waited for it"
-        return f"{why}\nits stack:\n{stack}"
+        return "" if hung is None else hung_words(hung, self.rank)
 
     def _hung(self, failure: str, suspects: list[int]) -> tuple[int, str] | None:
         """Write `failed` (every other rank's watcher leaves its state), read the states, write
@@ -219,13 +235,8 @@ class StoreJob:
         self._serve_until_heard(self.store)
         # a running rank without a state: its watcher could not run (the main thread holds
         # the GIL in native code): hung too
-        silent = (False, "(no answer: its main thread holds the GIL)\n")
-        others = [r for r in running if r != self.rank]
-        hung = [r for r in others if not states.get(r, silent)[0]]
-        if not hung:
-            return None
-        r = min(hung, key=lambda r: (r not in suspects, r))
-        return r, states.get(r, silent)[1]
+        silent = "(no answer: its main thread holds the GIL)\n"
+        return hung_rank([r for r in running if r != self.rank], states, suspects, silent)
 
     def _states(self) -> dict[int, tuple[bool, str]]:
         """{rank: (waiting in the comm?, its main thread's stack)} of the other ranks still
@@ -287,3 +298,74 @@ class StoreJob:
 def _parse(rank: int, value: str) -> Ended:
     code, when, how = value.split("\t", 2)
     return Ended(rank, int(code) if code else None, float(when), how)
+
+
+class MPIJob:
+    """A timed-out MPI rank that no `minidist run` watches (mpiexec by hand, srun, another
+    MPI's launcher) names the rank it waited for, as StoreJob does, before its failure hook
+    ends the job with MPI_Abort. MPI has no store: the ranks talk over a communicator of their
+    own (a duplicate of COMM_WORLD, so no message of the program's can match theirs):
+        the rank that timed out sends `ASK` to every other rank and reads their `STATE`s
+        (at most HEAR_WITHIN s);
+        every rank answers from a daemon thread that probes for `ASK` every 0.1 s (mpi4py runs
+        MPI with MPI_THREAD_MULTIPLE: the main thread may be inside MPI meanwhile).
+    A rank that gave no answer has ended, or holds the GIL in native code. Costs: a Comm_dup at
+    init, ten probes a second per rank.
+    """
+
+    ASK, STATE = 1, 2
+
+    def __init__(self, world):
+        self.comm = world.Dup()
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self.answers = []  # (request, bytes) of the answers sent: MPI reads them until done
+        self.stopped = threading.Event()
+        self.watcher = threading.Thread(target=self._answer, name="minidist-job", daemon=True)
+        self.watcher.start()
+
+    def _answer(self) -> None:
+        """Until this rank ends: answer every ASK with this rank's state."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while not self.stopped.wait(LOOK_EVERY):
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, self.ASK, status):
+                continue
+            asker = status.Get_source()
+            self.comm.Recv(bytearray(1), asker, self.ASK)
+            waiting, stack = main_stack()
+            state = f"{int(waiting)}\n{stack}".encode()
+            self.answers.append((self.comm.Isend(state, asker, self.STATE), state))
+
+    def close(self) -> None:
+        """At exit (registered by init), before MPI_Finalize: stop answering."""
+        self.stopped.set()
+        self.watcher.join()
+
+    def fail(self, words: str, timed_out: bool) -> str:
+        """After a timeout, the rank it waited for, with its stack ('' if every other rank
+        waits in the comm too); '' for any other failure (MPI_Abort follows at once)."""
+        if not timed_out:
+            return ""
+        from mpi4py import MPI
+
+        # its watcher keeps answering: another rank that timed out too asks this one, whose
+        # main thread, here, counts as waiting in the comm (exits.py is part of it)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        # kept, never waited for: a rank that has ended never takes its ASK; MPI_Abort follows
+        self.asks = [self.comm.Isend(bytearray(1), r, self.ASK) for r in others]
+        states: dict[int, tuple[bool, str]] = {}
+        status = MPI.Status()
+        end = time.monotonic() + HEAR_WITHIN
+        while len(states) < len(others) and time.monotonic() < end:
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, self.STATE, status):
+                time.sleep(0.01)
+                continue
+            state = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv(state, status.Get_source(), self.STATE)
+            waiting, stack = state.decode().split("\n", 1)
+            states[status.Get_source()] = (waiting == "1", stack)
+        suspects = [int(p) for p in re.findall(r"with peer (\d+)", words)]
+        silent = "(no answer: it has ended, or its main thread holds the GIL)\n"
+        hung = hung_rank(others, states, suspects, silent)
+        return "" if hung is None else hung_words(hung, self.rank)

@@ -173,6 +173,7 @@ class MPIComm(Blocking):
     fused_bytes = 1024  # a payload this small rides in the agreement (agreement.py): 1 KiB here
     roll = None  # who has ended (exits.py; minidist run's folder): a wait fails naming a peer
     # that left, within a second; None (mpiexec by hand): such a wait lasts until the timeout
+    job = None  # the world comm's MPIJob, where no `minidist run` watches (launch.init)
 
     def __init__(self, mpi_comm=None, timeout: float = DEFAULT_TIMEOUT):
         MPI = _mpi()
