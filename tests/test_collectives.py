@@ -96,7 +96,10 @@ def same_bits_everywhere(comm, t: torch.Tensor) -> str:
     """'' if t has the same bits on every rank (-0.0 and +0.0 differ), else what differs."""
     if not t.dtype.is_floating_point or t.numel() == 0:
         return ""
-    bits = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # bytes: gloo takes them
+    # bytes (gloo takes them), from a copy with unit stride: a one-element view of a strided
+    # buffer counts as contiguous, and .contiguous() would keep its stride of 2
+    flat = t.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+    bits = flat.view(torch.uint8)
     everyone = torch.empty(comm.world_size * bits.numel(), dtype=bits.dtype)
     comm.all_gather(everyone, bits.contiguous())
     rows = everyone.view(comm.world_size, -1)
@@ -226,12 +229,20 @@ layouts = st.booleans()  # strided or not
 
 
 @pytest.mark.threads
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.integers(1, 8), st.sampled_from(ALL_REDUCE), ops, all_dtypes, shapes(), seeds, layouts)
-@example(4, "recursive_doubling", "max", torch.float32, (16,), 5, False)  # signed zeros, p = q
-@example(6, "recursive_doubling", "min", torch.bfloat16, (16,), 2, True)  # ... and p > q
 def test_all_reduce_threads(p, algorithm, op, dtype, shape, seed, strided):
     run_threads(all_reduce_case, p, algorithm, op, dtype, shape, seed, strided, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 8), ops, all_dtypes, shapes(), seeds, layouts)
+@example(4, "max", torch.float32, (16,), 5, False)  # signed zeros, p = q
+@example(6, "min", torch.bfloat16, (16,), 2, True)  # ... and p > q
+def test_recursive_doubling_all_reduce_threads(p, op, dtype, shape, seed, strided):
+    """Recursive doubling alone (lab 02.3); test_all_reduce_threads draws every algorithm."""
+    run_threads(all_reduce_case, p, "recursive_doubling", op, dtype, shape, seed, strided, **FAST)
 
 
 @pytest.mark.threads
@@ -379,6 +390,12 @@ def counted(comm, what: str, n: int) -> dict:
     x = torch.ones(n, dtype=torch.float32)
     if what == "broadcast":
         C.broadcast(x, observed, 0)
+    elif what == "reduce_scatter":
+        lo, hi = bounds(n, comm.world_size, comm.rank)
+        C.ring_reduce_scatter(torch.zeros(hi - lo), x, observed)
+    elif what == "all_gather":
+        lo, hi = bounds(n, comm.world_size, comm.rank)
+        C.ring_all_gather(x, torch.ones(hi - lo), observed)
     else:
         C.all_reduce(x, observed, "sum", what)
     return {"sent_to": dict(counter.sent_to), "messages_to": dict(counter.messages_to)}
@@ -397,6 +414,33 @@ def test_ring_sends_2_p_minus_1_over_p_of_the_bytes_to_the_right_only(p, pieces,
         assert tally["sent_to"] == expected, f"rank {r}"
         messages = (p - 1) * pieces + (p - 1)
         assert tally["messages_to"] == ({} if p == 1 else {right: messages}), f"rank {r}"
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", range(1, 9))
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_ring_reduce_scatter_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only(
+    p, pieces, monkeypatch
+):
+    """The reduce-scatter half alone (lab 02.1): (p-1) chunks of n/p, each in `pieces`."""
+    n = 12 * p
+    monkeypatch.setattr(impl("collectives"), "PIECE_BYTES", 12 * 4 // pieces)
+    for r, tally in enumerate(run_threads(counted, p, "reduce_scatter", n)):
+        right = (r + 1) % p
+        assert tally["sent_to"] == ({} if p == 1 else {right: (p - 1) * n * 4 // p}), f"rank {r}"
+        messages = {} if p == 1 else {right: (p - 1) * pieces}
+        assert tally["messages_to"] == messages, f"rank {r}"
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", range(1, 9))
+def test_ring_all_gather_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only(p):
+    """The all-gather half alone (lab 02.2): (p-1) chunks of n/p, one message each."""
+    n = 12 * p
+    for r, tally in enumerate(run_threads(counted, p, "all_gather", n)):
+        right = (r + 1) % p
+        assert tally["sent_to"] == ({} if p == 1 else {right: (p - 1) * n * 4 // p}), f"rank {r}"
+        assert tally["messages_to"] == ({} if p == 1 else {right: p - 1}), f"rank {r}"
 
 
 @pytest.mark.threads

@@ -8,7 +8,9 @@ runs fixed cases (every dtype) on 3 and 4 of them by splitting the world.
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 import time
 
 import pytest
@@ -17,7 +19,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from minidist.comm import frames
-from minidist.comm.protocol import MAX_TAG, OPS, CollectiveMismatch
+from minidist.comm.protocol import MAX_TAG, OPS, CollectiveMismatch, CommError
 from minidist.comm.tagged import TAGS, tagged
 from minidist.comm.threads import ThreadsWorld
 from minidist.comm.torchdist import init_process_group
@@ -325,6 +327,64 @@ def test_counter_counts_p2p_bytes_per_peer():
     for r, s in enumerate(run_threads(counted_ring, 4)):
         assert s["sent_to"] == {(r + 1) % 4: 3 * 5 * 8}
         assert s["received_from"] == {(r - 1) % 4: 3 * 5 * 8}
+
+
+@pytest.mark.threads
+def test_isend_leaves_a_copy_in_the_mailbox_and_wakes_the_waiters():
+    """The send half alone (lab 01.1): no receive runs. A thread waiting on the world's
+    condition for the message is woken at once, and the message is a copy: the sender may
+    overwrite its tensor as soon as isend returns."""
+    world = impl("comm.threads").ThreadsWorld(2, 5.0, "buffered")
+    sender, key, woken = world.comm(0), (0, 1, 7), []
+
+    def waiter():
+        start = time.monotonic()
+        with world.cond:
+            world.cond.wait_for(lambda: world.mailbox.get(key), timeout=3.0)  # no poll: notify
+        woken.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the waiter is waiting
+    t = torch.arange(4.0)
+    sender.isend(t, 1, tag=7).wait()
+    t.fill_(-1.0)  # reused at once
+    thread.join(5.0)
+    assert woken and woken[0] < 2.0, f"the waiter slept {woken} s: nothing woke it"
+    box = list(world.mailbox.get(key, []))
+    assert len(box) == 1 and torch.equal(box[0], torch.arange(4.0)), box
+    assert all(not b for k, b in world.mailbox.items() if k != key), "wrong mailbox"
+
+
+@pytest.mark.threads
+def test_a_receive_takes_its_mailboxs_messages_in_order_and_checks_them():
+    """The receive half alone (lab 01.2): messages put in the mailbox by hand, as isend would.
+    A receive takes the oldest, copies it into its buffer (any shape of the same size), waits
+    for one that has not arrived yet, and refuses one of another size or dtype."""
+    world = impl("comm.threads").ThreadsWorld(2, 5.0, "buffered")
+    receiver, key = world.comm(1), (0, 1, 0)
+
+    def deposit(t: torch.Tensor) -> None:
+        with world.cond:
+            world.mailbox.setdefault(key, collections.deque()).append(t)
+            world.cond.notify_all()
+
+    deposit(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    deposit(torch.tensor([5.0, 6.0, 7.0, 8.0]))
+    first, second = torch.zeros(2, 2), torch.zeros(4)
+    receiver.recv(first, 0)
+    assert torch.equal(first, torch.tensor([[1.0, 2.0], [3.0, 4.0]])), first
+    receiver.recv(second, 0)
+    assert torch.equal(second, torch.tensor([5.0, 6.0, 7.0, 8.0])), second
+    assert not world.mailbox.get(key), "a received message must leave the mailbox"
+    later = threading.Timer(0.2, deposit, (torch.tensor([9.0]),))
+    later.start()
+    third = torch.zeros(1)
+    receiver.recv(third, 0)  # posted before the message arrives
+    assert third.item() == 9.0
+    deposit(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(CommError, match="3 x torch.float64"):
+        receiver.recv(torch.zeros(2), 0)
 
 
 def traced(comm):

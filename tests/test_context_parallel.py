@@ -260,6 +260,48 @@ def measured(comm, layout: str) -> dict:
             "pairs": stats["pairs"], "n": B * H * n * D}  # fmt: skip
 
 
+@pytest.mark.pure
+@pytest.mark.parametrize("m", [1, 4])
+def test_merge_of_two_key_halves_equals_one_softmax(m):
+    """Lab 15.1 alone: each half's attention and log-sum-exp, merged, is the attention to all
+    the keys, in either order; a side with no keys yet (lse = -inf) weighs nothing."""
+    cpm = impl("context_parallel")
+    gen = torch.Generator().manual_seed(15 + m)
+    q = torch.randn(2, 3, m, 4, generator=gen, dtype=F64)  # (B, H, m, d)
+    k, v = (torch.randn(2, 3, 2 * m, 4, generator=gen, dtype=F64) for _ in range(2))
+    s = q @ k.transpose(-2, -1) / 2  # (B, H, m, 2m); scale 1/sqrt(d)
+    want, want_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    halves = [(torch.softmax(h, -1) @ w, torch.logsumexp(h, -1)) for h, w in
+              ((s[..., :m], v[:, :, :m]), (s[..., m:], v[:, :, m:]))]  # fmt: skip
+    for first, second in (halves, halves[::-1]):
+        out, lse = cpm.merge(*first, *second)
+        assert torch.allclose(out, want, RTOL, ATOL), (out - want).abs().max()
+        assert torch.allclose(lse, want_lse, RTOL, ATOL), (lse - want_lse).abs().max()
+    nothing = (torch.zeros_like(want), torch.full_like(want_lse, -math.inf))
+    out, lse = cpm.merge(*nothing, want, want_lse)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_block_grads_equal_autograd_on_one_block(diagonal):
+    """Lab 15.3 alone: one block's dq, dk, dv from the saved log-sum-exp equal autograd's
+    through softmax(q k^T * scale) v (on a diagonal block, the future masked)."""
+    cpm = impl("context_parallel")
+    gen = torch.Generator().manual_seed(153)
+    q, k, v, grad_out = (torch.randn(2, 3, 5, 4, generator=gen, dtype=F64) for _ in range(4))
+    q, k, v = leaf(q), leaf(k), leaf(v)
+    s = q @ k.transpose(-2, -1) * 0.5  # (B, H, m, m)
+    if diagonal:
+        s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
+    out = torch.softmax(s, -1) @ v
+    (out * grad_out).sum().backward()
+    lse, delta = torch.logsumexp(s, -1).detach(), (grad_out * out).sum(-1).detach()
+    got = cpm.block_grads(q.detach(), k.detach(), v.detach(), grad_out, lse, delta, diagonal, 0.5)
+    for name, a, b in zip(("dq", "dk", "dv"), got, (q.grad, k.grad, v.grad), strict=True):
+        assert torch.allclose(a, b, RTOL, ATOL), (name, (a - b).abs().max())
+
+
 @pytest.mark.threads
 @pytest.mark.parametrize("layout", ["plain", "zigzag"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -9,6 +9,8 @@ order: per rank, then across ranks); replicas must be bitwise identical to each 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -257,6 +259,53 @@ class _nothing:
 @pytest.mark.threads
 def test_accumulation_gradients_differ_until_the_last_micro_step():
     assert run_threads(accumulation_disagrees_then_agrees, 3) == [[False, False, True]] * 3
+
+
+class RecordingLauncher:
+    """Stands in for a Launcher: notes which bucket each all-reduce is for, reduces nothing."""
+
+    def __init__(self, buckets: list):
+        self.buckets, self.launched = buckets, []
+
+    def all_reduce(self, flat: torch.Tensor):
+        self.launched.append(next(i for i, b in enumerate(self.buckets) if b.flat is flat))
+        return type("Done", (), {"wait": lambda self: None, "is_completed": lambda self: True})()
+
+
+@pytest.mark.pure
+def test_buckets_launch_in_bucket_order_once_full():
+    """Lab 04.2 alone: four buckets of one parameter each (made here, not by assign_buckets),
+    made ready out of order. Bucket 0 holds the others back; once it is full, every full
+    bucket after it goes, in order; the end launches what is left, each bucket once."""
+    dp_mod = impl("data_parallel")
+    buckets = [dp_mod._Bucket([nn.Parameter(torch.zeros(2))]) for _ in range(4)]
+    model = types.SimpleNamespace(buckets=buckets, next_launch=0)
+    model.launcher = RecordingLauncher(buckets)
+    seen = []
+    for ready, at_end in [(1, False), (2, False), (0, False), (3, False), (None, True)]:
+        if ready is not None:
+            buckets[ready].ready = [True]
+        dp_mod.DataParallelBucketed._launch_ready(model, all_remaining=at_end)
+        seen.append(list(model.launcher.launched))
+    assert seen == [[], [], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3]], seen
+
+
+@pytest.mark.pure
+def test_used_gradients_are_averaged_and_unused_ones_stay_none():
+    """After the all-reduce (lab 04.3 alone): the flat buffer [grads..., flags...] holds sums
+    over p ranks and, per parameter, how many ranks had a gradient."""
+    params = [
+        nn.Parameter(torch.zeros(2, 1)),
+        nn.Parameter(torch.zeros(3)),
+        nn.Parameter(torch.zeros(())),
+    ]
+    flat = torch.tensor([4.0, 8.0, 1.0, 2.0, 3.0, 6.0, 3.0, 0.0, 1.0])  # 6 sums, then 3 flags
+    views = list(flat[:6].split([2, 3, 1]))
+    impl("data_parallel")._used_and_average(flat, params, views, 4)
+    assert torch.equal(params[0].grad, torch.tensor([[1.0], [2.0]])), params[0].grad
+    assert params[1].grad is None, "no rank had a gradient: it stays None"
+    assert torch.equal(params[2].grad, torch.tensor(1.5)), params[2].grad
+    assert params[0].grad.data_ptr() == flat.data_ptr(), "the gradient is a view of the bucket"
 
 
 @pytest.mark.pure

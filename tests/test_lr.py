@@ -1,7 +1,11 @@
-"""Large batches: the LR rules and schedule (minidist/lr.py) match their formulas at every step,
-and gradient accumulation (minidist/accumulation.py) equals one step on the concatenated batch.
+"""Large batches: the LR rules and schedule (minidist/lr.py) have their documented shape at every
+step, and gradient accumulation (minidist/accumulation.py) equals one step on the concatenated
+batch.
 
-The formulas are written out again here, independently of the module. The schedule drives real
+The schedule is checked by what defines it, not by a second copy of its formula (that copy
+would be lab 11's answer in the student's tests): the warm-up is the line from start x peak
+to the peak, the decay falls from the peak to final x peak in equal steps (linear) or through
+cosine's values at the quarters, symmetric about the middle (cosine). The schedule drives real
 torch optimizers (SGD, AdamW) with two param groups of different peak rates. Accumulation is
 compared in float64 at 1e-12 relative (the sum over rows happens in another order); with one
 microbatch it must be bitwise the plain step. Under data parallelism (threads), accumulation
@@ -10,8 +14,6 @@ impl("lr"), so `make lab L=11` grades a learner's file.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -34,27 +36,85 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def formula(s: int, peak: float, w: int, t: int, decay: str, start: float, final: float):
-    """The documented schedule, written out again: warm-up, then decay, then flat."""
-    if s < w:
-        return peak * start + (peak - peak * start) * (s + 1) / w
-    frac = min(1.0, (s - w) / max(1, t - w))
-    shape = {"constant": 1.0, "linear": 1 - frac, "cosine": 0.5 + 0.5 * math.cos(math.pi * frac)}
-    return peak * final + (peak - peak * final) * shape[decay]
+rates = st.floats(1e-4, 10.0)
+fractions = st.sampled_from([0.0, 0.125, 1 / 3, 1.0])
+
+
+def close(a: float, b: float, scale: float) -> bool:
+    return abs(a - b) <= 1e-12 * scale + 1e-15
+
+
+@pytest.mark.pure
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 8), fractions, rates)
+def test_warmup_is_the_line_from_start_to_the_peak(w, extra, start, peak):
+    """Lab 11.1: the warm-up steps 0..W-1 climb in equal increments from start x peak (the
+    rate of step -1, before any) to the peak on step W-1: a straight line through both."""
+    lr = impl("lr")
+    rates_ = [start * peak] + [lr.lr_at(s, peak, w, w + extra, "linear", start) for s in range(w)]
+    rise = rates_[1] - rates_[0]
+    for s in range(1, w + 1):
+        assert close(rates_[s] - rates_[s - 1], rise, peak), f"step {s - 1}: {rates_}"
+    assert close(rates_[w], peak, peak), f"step {w - 1} is not the peak: {rates_}"
+    assert rise >= 0 and (start == 1.0 or rise > 0), rates_
 
 
 @pytest.mark.pure
 @settings(max_examples=60, deadline=None)
 @given(
+    st.integers(0, 6),
+    st.integers(1, 6),
+    st.sampled_from(["constant", "linear", "cosine"]),
+    fractions,
+    rates,
+)
+def test_decay_falls_from_the_peak_to_final_by_its_shape(w, quarters, decay, final, peak):
+    """Lab 11.2: from step W the rate falls from the peak to final x peak at step T, by its
+    shape u = (rate - final x peak) / (peak - final x peak): constant 1; linear in equal steps;
+    cosine 1, (2 + sqrt 2) / 4, 1/2, (2 - sqrt 2) / 4, 0 at the quarters and symmetric about
+    the middle; final x peak after T."""
+    lr = impl("lr")
+    total = w + 4 * quarters
+    rate = [
+        lr.lr_at(s, peak, w, total, decay, 0.0, final) if s >= w else None for s in range(total + 3)
+    ]
+    low = final * peak
+    if final == 1.0:
+        assert all(close(r, peak, peak) for r in rate[w:]), rate
+        return
+    u = [None if r is None else (r - low) / (peak - low) for r in rate]  # None in warm-up
+    flat = decay == "constant"
+    assert all(close(x, 1.0 if flat else 0.0, 1) for x in u[total + 1 :]), u
+    if flat:
+        assert all(close(x, 1.0, 1) for x in u[w:]), u
+        return
+    assert close(u[w], 1.0, 1) and close(u[total], 0.0, 1), u
+    n = total - w
+    if decay == "linear":
+        assert all(close(u[w + k] - u[w + k + 1], 1 / n, 1) for k in range(n)), u
+    else:
+        quarter = [1.0, 0.8535533905932737, 0.5, 0.14644660940672624, 0.0]
+        assert all(close(u[w + k * quarters], quarter[k], 1) for k in range(5)), u
+        assert all(close(u[w + k] + u[total - k], 1.0, 1) for k in range(n + 1)), u
+        assert all(u[w + k] > u[w + k + 1] for k in range(n)), u
+
+
+@pytest.mark.pure
+@settings(max_examples=40, deadline=None)
+@given(
     st.integers(0, 12),
     st.integers(0, 30),
     st.sampled_from(["constant", "linear", "cosine"]),
-    st.sampled_from([0.0, 0.125, 1 / 3, 1.0]),
+    fractions,
     st.sampled_from([0.0, 0.1, 1.0]),
-    st.floats(1e-4, 10.0),
+    rates,
     st.sampled_from(["sgd", "adamw"]),
 )
-def test_schedule_matches_the_formula_at_every_step(w, extra, decay, start, final, peak, opt):
+def test_warmup_decay_sets_every_groups_rate_at_every_step(
+    w, extra, decay, start, final, peak, opt
+):
+    """The scheduler: each param group's rate is lr_at(step, that group's peak) before every
+    optimizer step, and a fresh scheduler resumes from a state_dict."""
     lr = impl("lr")
     total = w + extra
     model = nn.Linear(2, 2)
@@ -66,10 +126,9 @@ def test_schedule_matches_the_formula_at_every_step(w, extra, decay, start, fina
     )
     schedule = lr.WarmupDecay(optimizer, w, total, decay, start, final)
     for s in range(total + 3):  # and a few steps past the end: stays at final * peak
-        want = [formula(s, p, w, total, decay, start, final) for p in (peak, peak / 4)]
+        want = [lr.lr_at(s, p, w, total, decay, start, final) for p in (peak, peak / 4)]
         got = [group["lr"] for group in optimizer.param_groups]
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15), f"step {s}"
-        assert lr.lr_at(s, peak, w, total, decay, start, final) == pytest.approx(want[0], 1e-12)
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
         schedule.step()

@@ -33,12 +33,22 @@ def expected_group(dp: int, pp: int, tp: int, rank: int, axis: str) -> list[int]
 @pytest.mark.pure
 @settings(max_examples=200, deadline=None)
 @given(sizes)
-def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(dp_pp_tp):
+def test_coords_and_ranks_are_inverse(dp_pp_tp):
     layout = impl("mesh").Layout(*dp_pp_tp)
     grid = layout.grid
     for rank in range(layout.world_size):
         d, s, t = layout.coords(rank)
         assert layout.rank(d, s, t) == rank == grid[d, s, 0, t]
+
+
+@pytest.mark.pure
+@settings(max_examples=200, deadline=None)
+@given(sizes)
+def test_groups_are_the_grids_slices_and_tp_is_adjacent(dp_pp_tp):
+    layout = impl("mesh").Layout(*dp_pp_tp)
+    for rank in range(layout.world_size):
+        # the coordinates from the grid's definition, not from coords() (lab 12.1)
+        d, s, t = rank // (layout.pp * layout.tp), rank // layout.tp % layout.pp, rank % layout.tp
         tp = layout.group(rank, "tp")
         assert tp == list(range(tp[0], tp[0] + layout.tp)), "tp ranks must be adjacent"
         for axis, coordinate in zip(("dp", "pp", "tp"), (d, s, t), strict=True):
@@ -54,6 +64,11 @@ def test_coords_and_ranks_are_inverse_and_tp_is_adjacent(dp_pp_tp):
 def test_the_picture_in_the_docstring():
     layout = impl("mesh").Layout(2, 2, 2)
     assert [layout.coords(r) for r in (0, 3, 5, 6)] == [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 0)]
+
+
+@pytest.mark.pure
+def test_the_groups_in_the_docstrings_picture():
+    layout = impl("mesh").Layout(2, 2, 2)
     assert [layout.group(r, "tp") for r in (0, 2, 4, 6)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [layout.group(r, "pp") for r in (0, 1, 4, 5)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert [layout.group(r, "dp") for r in (0, 1, 2, 3)] == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -199,20 +199,17 @@ class DiesMidPush:
         self.inner.send(t, dst, tag)
 
 
-def check_ps(case: dict, results: list[dict]) -> None:
-    """Every property of one parameter-server run, on every server's log."""
+def check_ps(case: dict, results: list[dict], what=("log", "bound")) -> None:
+    """Every property of one parameter-server run, on every server's log: what the log says
+    was applied ("log": replay, counts, SGD), and when workers were let run ("bound")."""
     n_servers = case["servers"]
     servers, workers = results[:n_servers], results[n_servers:]
     n_workers = len(workers)
-    history = replay(case, servers, n_workers)
-    s_bound = case["staleness"]
+    if "log" in what:
+        check_log(case, servers, workers)
+    s_bound = case["staleness"] if "bound" in what else None
     for s, srv in enumerate(servers):
         where = f"{case}, server {s}"
-        assert torch.equal(srv["params"], history[s][-1]), f"{where}: replay differs"
-        assert [e[3] for e in srv["events"]] == list(range(len(srv["events"]))), where
-        for k, wk in enumerate(workers):  # exactly once, in clock order
-            clocks = [e[1] for e in srv["events"] if e[0] == k]
-            assert clocks == list(range(wk["pushed"])), f"{where}: worker {k} clocks {clocks}"
         if s_bound is not None:
             worst = max((e[3] - e[2] for e in srv["events"]), default=0)
             assert worst <= (n_workers - 1) * (2 * s_bound + 1), f"{where}: staleness {worst}"
@@ -220,24 +217,42 @@ def check_ps(case: dict, results: list[dict]) -> None:
             for k, c, v_pulled, _ in srv["events"]:
                 before = sum(1 for e in srv["events"] if e[1] < c)
                 assert v_pulled == before, f"{where}: ({k}, {c}) pulled {v_pulled} != {before}"
+    if "bound" in what:
+        check_against_sgd(case, servers, workers, synchronous=True)
+
+
+def check_log(case: dict, servers: list[dict], workers: list[dict]) -> None:
+    """Each server's log replays to its parameters, counts every gradient once in clock order,
+    told each worker its staleness, and the run equals SGD where it must."""
+    history = replay(case, servers, len(workers))
+    for s, srv in enumerate(servers):
+        where = f"{case}, server {s}"
+        assert torch.equal(srv["params"], history[s][-1]), f"{where}: replay differs"
+        assert [e[3] for e in srv["events"]] == list(range(len(srv["events"]))), where
+        for k, wk in enumerate(workers):  # exactly once, in clock order
+            clocks = [e[1] for e in srv["events"] if e[0] == k]
+            assert clocks == list(range(wk["pushed"])), f"{where}: worker {k} clocks {clocks}"
     acked = [e[3] - e[2] for e in servers[0]["events"]]
     for k, wk in enumerate(workers):
         if wk["staleness"] is not None:
             mine = [a for a, e in zip(acked, servers[0]["events"], strict=True) if e[0] == k]
             assert wk["staleness"] == mine, f"{case}: worker {k} was told other staleness"
-    check_against_sgd(case, servers, workers)
+    check_against_sgd(case, servers, workers, synchronous=False)
 
 
-def check_against_sgd(case: dict, servers: list[dict], workers: list[dict]) -> None:
-    """One worker: plain SGD bitwise. Staleness 0, equal steps: synchronous SGD to 1e-12."""
+def check_against_sgd(case: dict, servers: list[dict], workers: list[dict], synchronous) -> None:
+    """One worker: plain SGD bitwise. synchronous: staleness 0, equal steps: synchronous SGD to
+    1e-12 (a property of the bound: s = 0 lets no worker run ahead)."""
     x, y, w0 = data(case, len(workers))
     final = torch.cat([srv["params"] for srv in servers])
     steps = case["steps"]
-    if len(workers) == 1:
+    if len(workers) == 1 and not synchronous:
         w = w0.clone()
         for step in range(steps[0]):
             w = w - case["lr"] * gradient(x, y, 0, case["batch"])(w, step)
         assert torch.equal(final, w), f"{case}: {compare('w', final, w)}"
+    elif not synchronous or len(workers) == 1:
+        return
     elif case["staleness"] == 0 and len(set(steps)) == 1 and not case.get("crash_worker"):
         lr_sync = case["lr"] * len(workers)  # W gradients of lr each = one step on their mean
         ref = sync_reference(x, y, w0, case["batch"], steps[0], lr_sync)
@@ -267,9 +282,21 @@ def ps_cases(draw, max_world: int) -> dict:
 @settings(max_examples=50, deadline=None)
 @given(ps_cases(6))
 def test_parameter_server_threads(case):
+    """What was applied (lab 08.2): the log replays, counts and equals SGD."""
     impl("parameter_server")  # load it before the threads do: impl's first load is not atomic
     world = case["servers"] + len(case["steps"])
-    check_ps(case, run_threads(ps_run, world, case, timeout=30))
+    check_ps(case, run_threads(ps_run, world, case, timeout=30), what=("log",))
+
+
+@pytest.mark.threads
+@settings(max_examples=30, deadline=None)
+@given(ps_cases(6).filter(lambda case: case["staleness"] is not None))
+def test_parameter_server_keeps_the_staleness_bound_threads(case):
+    """When workers were let run (lab 08.1): never more than s requests ahead of the slowest;
+    with s = 0, every step computed on all gradients of the steps before it."""
+    impl("parameter_server")
+    world = case["servers"] + len(case["steps"])
+    check_ps(case, run_threads(ps_run, world, case, timeout=30), what=("bound",))
 
 
 CRASH = {"servers": 1, "steps": [6, 6, 6], "d": 4, "batch": 2, "seed": 3, "lr": 0.1}

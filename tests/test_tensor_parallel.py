@@ -133,9 +133,18 @@ linear_cases = st.fixed_dictionaries(
 
 
 @pytest.mark.threads
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 8), linear_cases)
-def test_linear_layers_threads(p, case):
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 8), linear_cases.map(lambda case: case | {"kind": "row"}))
+def test_row_parallel_linear_threads(p, case):
+    """RowParallelLinear (lab 05.1): its forward's split, matmul, g and bias."""
+    run_threads(linear_matches, p, case, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 8), linear_cases.map(lambda case: case | {"kind": "column"}))
+def test_column_parallel_linear_threads(p, case):
+    """ColumnParallelLinear; with sequence parallelism its backward is lab 05.3's."""
     run_threads(linear_matches, p, case, **FAST)
 
 
@@ -490,35 +499,64 @@ def calls(s: dict) -> dict:
 BTD = B * T * D * 8  # bytes of one (B, T, D) float64 activation
 
 
-@pytest.mark.threads
-@pytest.mark.parametrize("p", [1, 2, 4])
-def test_collectives_and_bytes_per_layer_match_the_docstrings(p):
-    ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
-    want = {  # (part, sequence parallel): forward, backward: {op: (calls, payload bytes)}
-        ("column", False): ({}, {ar: (1, BTD)}),  # f: dL/dx summed
-        ("row", False): ({ar: (1, BTD)}, {}),  # g
-        ("mlp", False): ({ar: (1, BTD)}, {ar: (1, BTD)}),
-        ("attention", False): ({ar: (1, BTD)}, {ar: (1, BTD)}),
-        ("block", False): ({ar: (2, 2 * BTD)}, {ar: (2, 2 * BTD)}),
-        ("embedding", False): ({ar: (1, BTD)}, {}),
-        ("cross_entropy", False): ({ar: (3, 3 * B * T * 8)}, {}),  # max, target logit, sum exp
-        # sequence parallel: the all-gather's payload is this rank's shard, B*T*D/p
-        ("column", True): ({ag: (1, BTD // p)}, {ag: (1, BTD // p), rs: (1, BTD)}),
-        ("row", True): ({rs: (1, BTD)}, {ag: (1, BTD // p), ar: (1, D * 8)}),  # f(bias)
-        ("mlp", True): (
-            {ag: (1, BTD // p), rs: (1, BTD)},
-            {ag: (2, 2 * BTD // p), rs: (1, BTD), ar: (1, D * 8)},  # + fc2's bias gradient
-        ),
-        ("block", True): (
-            {ag: (2, 2 * BTD // p), rs: (2, 2 * BTD)},
-            {ag: (4, 4 * BTD // p), rs: (2, 2 * BTD), ar: (6, 6 * D * 8)},  # 2 LN x 2 + 2 bias
-        ),
-        ("embedding", True): ({rs: (1, BTD)}, {ag: (1, BTD // p)}),
-    }
-    for (part, sp), (forward, backward) in want.items():
+AR, AG, RS = "all_reduce", "all_gather", "reduce_scatter"
+# (part, sequence parallel): forward, backward: {op: (calls, payload bytes)}, as documented;
+# with sequence parallelism an all-gather's payload is this rank's shard, B*T*D/p
+COUNTS = {
+    ("column", False): lambda p: ({}, {AR: (1, BTD)}),  # f: dL/dx summed
+    ("column", True): lambda p: ({AG: (1, BTD // p)}, {AG: (1, BTD // p), RS: (1, BTD)}),
+    ("row", False): lambda p: ({AR: (1, BTD)}, {}),  # g
+    ("row", True): lambda p: ({RS: (1, BTD)}, {AG: (1, BTD // p), AR: (1, D * 8)}),  # f(bias)
+    ("cross_entropy", False): lambda p: ({AR: (3, 3 * B * T * 8)}, {}),  # max, target, sum exp
+    ("mlp", False): lambda p: ({AR: (1, BTD)}, {AR: (1, BTD)}),
+    ("attention", False): lambda p: ({AR: (1, BTD)}, {AR: (1, BTD)}),
+    ("block", False): lambda p: ({AR: (2, 2 * BTD)}, {AR: (2, 2 * BTD)}),
+    ("embedding", False): lambda p: ({AR: (1, BTD)}, {}),
+    ("mlp", True): lambda p: (
+        {AG: (1, BTD // p), RS: (1, BTD)},
+        {AG: (2, 2 * BTD // p), RS: (1, BTD), AR: (1, D * 8)},  # + fc2's bias gradient
+    ),
+    ("block", True): lambda p: (
+        {AG: (2, 2 * BTD // p), RS: (2, 2 * BTD)},
+        {AG: (4, 4 * BTD // p), RS: (2, 2 * BTD), AR: (6, 6 * D * 8)},  # 2 LN x 2 + 2 bias
+    ),
+    ("embedding", True): lambda p: ({RS: (1, BTD)}, {AG: (1, BTD // p)}),
+}
+
+
+def check_counts(p: int, parts: list[str]) -> None:
+    """Every rank's collectives and bytes, forward and backward, for these parts: COUNTS."""
+    for (part, sp), want in COUNTS.items():
+        if part not in parts:
+            continue
+        forward, backward = want(p)
         for got in run_threads(counted, p, part, sp, **FAST):
             assert calls(got["forward"]) == forward, (part, sp, "forward", got["forward"])
             assert calls(got["backward"]) == backward, (part, sp, "backward", got["backward"])
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_row_parallel_collectives_and_bytes_match_the_docstring(p):
+    check_counts(p, ["row"])  # lab 05.1
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_cross_entropy_collectives_and_bytes_match_the_docstring(p):
+    check_counts(p, ["cross_entropy"])  # lab 05.2
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_column_parallel_collectives_and_bytes_match_the_docstring(p):
+    check_counts(p, ["column"])  # with sequence parallelism, lab 05.3's backward
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_collectives_and_bytes_per_layer_match_the_docstrings(p):
+    check_counts(p, ["mlp", "attention", "block", "embedding"])  # the layers made of them
 
 
 def measured_activations(comm, sp: bool) -> tuple[int, int]:

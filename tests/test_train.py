@@ -309,6 +309,32 @@ def test_bytes_per_dimension_equal_the_formulas(options):
 
 
 @pytest.mark.threads
+@pytest.mark.parametrize(
+    "options", [dict(), dict(checkpointing=True), dict(amp="bf16"),
+                dict(schedule="interleaved", chunks=2, microbatches=4, pp=2, dp=1, tp=4)],
+)  # fmt: skip
+def test_tp_bytes_equal_the_formula(options):
+    """tp alone (lab 12.5's _tp_nbytes): with recomputation, bf16 and an interleaved pipeline."""
+    base = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "steps": 1, "warmup": 1, "batch": 8}
+    config = TrainConfig(**(base | options))
+    for rank, (sent, formula) in enumerate(run_threads(counted_bytes, 8, config)):
+        assert sent["tp"] == formula["tp"], (rank, sent["tp"], formula["tp"])
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize(
+    "options", [dict(), dict(amp="bf16"), dict(dp=1, pp=4, tp=2, microbatches=4),
+                dict(schedule="interleaved", chunks=2, microbatches=4, pp=2, dp=1, tp=4)],
+)  # fmt: skip
+def test_pp_bytes_equal_the_formula(options):
+    """pp alone (lab 12.6's _pp_nbytes): first, middle and last stages, interleaved chunks."""
+    base = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "steps": 1, "warmup": 1, "batch": 8}
+    config = TrainConfig(**(base | options))
+    for rank, (sent, formula) in enumerate(run_threads(counted_bytes, 8, config)):
+        assert sent["pp"] == formula["pp"], (rank, sent["pp"], formula["pp"])
+
+
+@pytest.mark.threads
 @pytest.mark.parametrize("layout", [dict(dp=2, ep=2, cp=2), dict(dp=4, ep=2), dict(dp=2)])
 def test_dp_and_cp_bytes_with_experts_are_the_formulas(layout):
     """With experts, cp_comm also carries the routers' and experts' gradient sums: the ring's

@@ -8,7 +8,7 @@
 """Learning rates for large batches: scale the rate with the batch (linear or square-root rule),
 warm it up linearly, then decay it; a scheduler that drives any torch optimizer.
 
-Equals: the formulas below at every step (tests/test_lr.py recomputes them independently).
+Equals: the formulas below at every step (tests/test_lr.py checks the shapes they define).
 Communication per step, per rank: none. Memory: one float per parameter group.
 Formulas (batch B from a base batch B0 tuned with rate lr0; k = B / B0):
     linear rule:   lr = lr0 * k               (k steps of B0 ~ one step of k B0, Goyal et al.)
