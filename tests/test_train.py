@@ -13,6 +13,7 @@ inside each rank function, so `make lab L=12` grades lesson 12's lab_train.py wi
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -23,11 +24,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minidist.comm.protocol import Blocking
 from minidist.gpt import model as gpt
+from minidist.gpt import reference
 from minidist.gpt.data import batch_at, dp_share, load_bytes
 from minidist.gpt.gather import local_parameters, whole_parameters
 from minidist.gpt.reference import differences, train_whole
-from minidist.gpt.train import TrainConfig
+from minidist.gpt.train import TrainConfig, build_job, train_step
 from minidist.launch import launch
 from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
 
@@ -273,6 +276,72 @@ def test_float32_is_within_the_documented_tolerance():
     result = run_threads(result_of, 8, config)[0]
     found = differences(result, train_whole(config), config)
     assert found["ok"], found
+
+
+class OneReplicaScaled(Blocking):
+    """A dp comm on which rank 1's gradients count `factor` times (0: dropped, 2: twice) in
+    every reduction: the bug the bf16 check must catch. The loss (one number) is left alone."""
+
+    def __init__(self, inner, factor: float):
+        self.inner, self.factor = inner, factor
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.backend, self.timeout = inner.backend, inner.timeout
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _scaled(self, t: torch.Tensor) -> torch.Tensor:
+        wrong = self.rank == 1 and t.is_floating_point() and t.numel() > 1
+        return t * self.factor if wrong else t
+
+    def iall_reduce(self, t, op="sum"):
+        t.copy_(self._scaled(t))  # in place: the result lands in t
+        return self.inner.iall_reduce(t, op)
+
+    def ireduce_scatter(self, out, inp, op="sum"):
+        return self.inner.ireduce_scatter(out, self._scaled(inp), op)
+
+
+def trained_with(comm, config: TrainConfig, factor: float) -> dict:
+    """The main job, rank 1's data-parallel gradients scaled by factor (1: as it should be)."""
+    scaled = lambda axis, sub: OneReplicaScaled(sub, factor) if axis == "dp" else sub  # noqa: E731
+    job = build_job(comm, config, observe=scaled)
+    losses, skipped = [], []
+    for step in range(config.steps):
+        loss, stepped = train_step(job)
+        losses.append(loss)
+        skipped += [] if stepped else [step]
+    return {"losses": losses, "skipped": skipped, "parameters": whole_parameters(job)}
+
+
+@pytest.mark.threads
+@pytest.mark.parametrize("amp,zero", [("bf16", 3), ("fp16", 0)])
+def test_the_16_bit_check_judges_the_parameters_and_catches_a_dropped_gradient(amp, zero):
+    """--check in bf16 and fp16 compares every layer's parameters with amp_tolerance (derived in
+    lesson 09): a right run passes with room (measured at most 0.46 of it, 20 steps), and one
+    where rank 1's gradient never reaches the average fails by twice the tolerance (measured
+    2.45), though its loss curve stays within the loss's tolerance: the parameters catch it."""
+    model = gpt.GPTConfig(seq_len=32, d_model=32, n_heads=4, d_ff=64, n_layers=2)
+    config = TrainConfig(dp=2, zero=zero, amp=amp, steps=20, warmup=2, batch=8, microbatches=2,
+                         model=model)  # fmt: skip
+    expected = train_whole(config)
+    for factor, verdict in ((1.0, True), (0.0, False)):
+        found = differences(run_threads(trained_with, 2, config, factor)[0], expected, config)
+        limits = found["tolerance"]["parameters_rms"]
+        ratio = max(d / t for d, t in zip(found["parameters_rms"], limits, strict=True))
+        assert found["ok"] is verdict and found["same_skipped_steps"], (factor, found)
+        assert ratio < 0.6 if verdict else ratio > 2, (factor, ratio, found)
+    assert found["loss"] <= reference.TOLERANCES["amp"][0], found  # the loss alone: passed
+
+
+@pytest.mark.pure
+def test_the_16_bit_tolerance_is_the_formula():
+    """sqrt((2u)^2 + 4 u_bf16 sum_t (2 lr_t / rms)^2), lr_t the schedule's: warm-up, cosine."""
+    config = TrainConfig(amp="fp16", steps=4, warmup=2, lr=1e-2)
+    rates = [0.5e-2, 1e-2, 1e-2, 1e-2 * (1 + math.cos(math.pi / 2)) / 2]  # warm-up, then cosine
+    flips = 4 * 2.0**-8 * sum((2 * lr / 0.05) ** 2 for lr in rates)
+    expected = math.sqrt((2 * 2.0**-11) ** 2 + flips)
+    assert math.isclose(reference.amp_tolerance(config, 0.05), expected, rel_tol=1e-12)
 
 
 def counted_bytes(comm, config: TrainConfig) -> tuple[dict, dict]:

@@ -383,6 +383,15 @@ def _tables(s: dict) -> str:
             f"parameters {k['parameters']:.2e} (accepted: {limits}); same skipped "
             f"steps: {k['same_skipped_steps']}"
         )
+        if tol.get("parameters_rms"):  # bf16, fp16: every layer's RMS difference is judged
+            rms, accepted = k["parameters_rms"], tol["parameters_rms"]
+            i = max(range(len(rms)), key=lambda j: rms[j] / accepted[j])
+            lines.append(
+                f"  {c['amp']}: the parameters are judged layer by layer by their relative RMS "
+                f"difference (a largest one is 2 lr a step wherever AdamW's step flips); the "
+                f"closest to its limit, layer {i}: {rms[i]:.2e}, accepted {accepted[i]:.2e} "
+                f"(u = 2^{-8 if c['amp'] == 'bf16' else -11}, {c['steps']} steps: lesson 09)"
+            )
     lines.append("wrote " + ", ".join(s["files"].values()))
     return "\n".join(lines)
 
