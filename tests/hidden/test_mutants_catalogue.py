@@ -1,9 +1,10 @@
 """The catalogue of wrong solutions (mutants.py) stays true to the reference modules.
 
-Every mutant's `old` occurs exactly once in its module, inside the region of its task, and
-differs from `new`; the mutated module still parses and keeps its lab markers (so grading
-does not refuse it); every lab 01-15 has at least two mutants, each named once. Pure: no
-grading runs here (`tools/labs.py mutants` grades them).
+Every mutant's `old` occurs exactly once in its module, inside the region of its task (whole
+lines or parts of them, never a line break at either end: a tool that counts lines would read
+it as reaching past the region), and differs from `new`; the mutated module still parses and
+keeps its lab markers (so grading does not refuse it); every lab 01-15 has at least two
+mutants, each named once. Pure: no grading runs here (`tools/labs.py mutants` grades them).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def test_every_old_snippet_occurs_once_inside_its_tasks_region():
             problems.append(f"{where}: `old` lies outside region {m.task} of {path}")
         elif m.old == m.new:
             problems.append(f"{where}: `new` is `old`")
+        elif m.old.startswith("\n") or m.old.endswith("\n"):  # read as reaching the next line
+            problems.append(f"{where}: `old` starts or ends with a newline")
     assert not problems, "\n".join(problems)
 
 
