@@ -97,19 +97,19 @@ def test_08_2_one_worker_over_two_servers_is_plain_sgd_bitwise():
 
 
 def silent_worker(comm) -> object:
-    """Two servers, workers 0 and 1: worker 1 goes silent (alive, in its gradient) for 1.5 s
-    after one step; the servers drop it after 0.5 s; worker 0 finishes its 3 steps."""
+    """Two servers, workers 0 and 1: worker 1 goes silent (alive, in its gradient) for 2 s
+    after one step; the servers drop it after 1 s; worker 0 finishes its 3 steps."""
     ps = impl("parameter_server")
     if comm.rank < 2:
         lo, hi = ps.shard_range(D, 2, comm.rank)
         w = torch.zeros(D, dtype=F64)[lo:hi].clone()
-        log = ps.serve(comm, w, LR, 2, None, worker_timeout=0.5)
+        log = ps.serve(comm, w, LR, 2, None, worker_timeout=1.0)
         return dict(log.left), dict(log.lost)
     k = comm.rank - 2
 
     def grad(w, step):
         if k == 1 and step == 1:
-            time.sleep(1.5)  # silent, but not blocked in the comm: only the clock can tell
+            time.sleep(2.0)  # silent, but not blocked in the comm: only the clock can tell
             raise TimeoutError("this worker gave up")
         return torch.ones(D, dtype=F64)
 
