@@ -287,6 +287,7 @@ def launch(
             outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]
         if outcome.returncode == 0:  # every rank ended: let them (and mpiexec's output) finish
             processes.wait(procs, min(EXIT_GRACE, job_timeout(base)))
+            outcome = _unreceived(failures, n) or outcome  # what the ranks found at their exit
         return outcome
     finally:
         processes.stop(procs)  # also on SIGTERM or Ctrl-C: no rank outlives the launcher
@@ -295,6 +296,21 @@ def launch(
         processes.release_folder(failures, lock)
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _unreceived(folder: str, n: int) -> Outcome | None:
+    """The ranks' reports of messages never received, found at their exit (comm/leftovers.py),
+    blaming the first that found any; None if none did."""
+    texts = {}
+    for r in range(n):
+        path = os.path.join(folder, f"rank{r}.unreceived")
+        if os.path.exists(path):
+            with open(path) as f:
+                texts[r] = f.read()
+    if not texts:
+        return None
+    how = "found messages never received at its exit"
+    return Outcome(1, min(texts), "".join(texts.values()), how=how)
 
 
 def start_ranks(module: str, argv: list[str], n: int, backend: str, command: str, **how) -> int:

@@ -102,13 +102,14 @@ def run_ranks(
     fn, world_size: int, backend: str, *args, timeout: float = 120.0, allow_unreceived=False
 ) -> list:
     """fn(comm, *args) on every rank of a new world; the per-rank results in rank order.
-    allow_unreceived: see run_threads (processes cannot see such messages)."""
+    allow_unreceived: see run_threads (processes: see run_processes)."""
     if backend == "threads":
         return run_threads(
             fn, world_size, *args, timeout=timeout, allow_unreceived=allow_unreceived
         )
     if backend in PROCESS_BACKENDS or backend == "nccl":
-        return run_processes(fn, world_size, backend, *args, timeout=timeout)
+        allow = dict(allow_unreceived=allow_unreceived)
+        return run_processes(fn, world_size, backend, *args, timeout=timeout, **allow)
     raise ValueError(f"backend={backend!r} is not 'threads', 'mpi', 'gloo' or 'nccl'")
 
 
@@ -169,8 +170,12 @@ def run_threads(
     return results
 
 
-def run_processes(fn, world_size: int, backend: str, *args, timeout: float = 120.0) -> list:
-    """Run fn(comm, *args) in world_size real processes over mpi or gloo (started once)."""
+def run_processes(
+    fn, world_size: int, backend: str, *args, timeout: float = 120.0, allow_unreceived=False
+) -> list:
+    """Run fn(comm, *args) in world_size real processes over mpi or gloo (started once).
+    A message no receive took fails the run at the ranks' exit (comm/leftovers.py), unless
+    allow_unreceived (MINIDIST_UNRECEIVED=allow: a program that abandons messages on purpose)."""
     with tempfile.TemporaryDirectory(prefix="minidist-test-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:
             pickle.dump((fn, args), f)
@@ -178,6 +183,7 @@ def run_processes(fn, world_size: int, backend: str, *args, timeout: float = 120
             os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")
         )
         env = {"PYTHONPATH": path, "MINIDIST_TIMEOUT": str(_capped(max(timeout - 10, timeout / 2)))}
+        env |= {"MINIDIST_UNRECEIVED": "allow"} if allow_unreceived else {}
         done = lambda r: os.path.exists(os.path.join(folder, f"rank{r}.pkl"))  # noqa: E731
         argv = ["-m", "minidist.testing", folder]
         outcome = launch(argv, world_size, backend, env=env, timeout=timeout, done_marker=done)

@@ -156,8 +156,9 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
         assert "rank 0: broadcast(shape=(3,), float32, src=1)" in s["broadcast root"]
         assert s["recv from self"].startswith("CommError: ") and "from self" in s["recv from self"]
         assert s["ring under debug mode"] == "ok" and s["after"] == "ok", (r, s)
-        stale = re.search(r"rank 0 sent rank 1 (\d+) messages, rank 1 posted (\d+) rec", s["stale"])
-        assert stale and int(stale[1]) == int(stale[2]) + 1, s["stale"]  # the one never received
+        tag4 = r"rank 0 sent rank 1 (\d+) messages with tag 4, rank 1 posted (\d+) receives"
+        stale = re.search(tag4 + r" with tag 4 from rank 0: message #(\d+) is not", s["stale"])
+        assert stale and int(stale[1]) == int(stale[2]) + 1 == int(stale[3]), s["stale"]
     receiver = seen[1]
     assert "int32" in receiver["int32 into float32"] and "float32" in receiver["int32 into float32"]
     n = BULK + 1

@@ -7,6 +7,9 @@ Every variant runs in the same job, round after round (7 rounds of ITERS calls),
 hits all of them alike; rank 0 prints the median microseconds per call. "no agreement" is
 comm.all_reduce with the backend's _agree replaced by nothing: the difference is the check.
 "raw" calls the library directly (mpi4py on numpy, or torch.distributed), outside minidist.
+"debug" is the same call through CheckedComm (debug mode): a ping-pong's two messages each
+carry a header message beside them; a collective first all-gathers the signatures and the
+message counts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 import minidist
 from minidist.collectives import ring_all_reduce
+from minidist.comm.checked import CheckedComm
 
 ITERS = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
 
@@ -62,6 +66,9 @@ def main() -> None:
     raw_all_reduce, raw_ping_pong = raw_calls(comm, x)
     send = lambda peer: comm.send(x, peer)  # noqa: E731
     recv = lambda peer: comm.recv(x, peer)  # noqa: E731
+    checked = CheckedComm(comm)
+    debug_send = lambda peer: checked.send(x, peer)  # noqa: E731
+    debug_recv = lambda peer: checked.recv(x, peer)  # noqa: E731
     cases = {
         "raw all_reduce": raw_all_reduce,
         "comm.all_reduce": lambda: comm.all_reduce(x),
@@ -69,6 +76,8 @@ def main() -> None:
         "ring_all_reduce": lambda: ring_all_reduce(x, comm),
         "raw ping-pong": raw_ping_pong,
         "comm ping-pong": ping_pong(comm, send, recv),
+        "debug all_reduce": lambda: checked.all_reduce(x),
+        "debug ping-pong": ping_pong(comm, debug_send, debug_recv),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(7):

@@ -35,12 +35,14 @@ import time
 
 import torch
 
+from . import leftovers
 from .agreement import agree, finish_fused, signature, slot_bytes
 from .exits import LOOK_EVERY, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
     DTYPE_CODE,
     DTYPES,
+    MAX_TAG,
     Blocking,
     CallbackWork,
     CommError,
@@ -61,6 +63,7 @@ from .tagged import timeout_note
 
 GRACE = 0.5  # seconds a wait goes on after a rank it waits for was seen to end (_stuck)
 CODES = 16  # wire tag = tag * CODES + dtype code: MAX_TAG * CODES stays below MPICH's TAG_UB
+EXIT_TAG = MAX_TAG * CODES  # above every message's: a rank's word at exit (leftovers.py)
 
 
 def _wire_tag(tag: int, dtype: torch.dtype) -> int:
@@ -187,6 +190,7 @@ class MPIComm(Blocking):
         self.seq = 0
         self.collectives = 0  # collectives issued: the number a mismatch is reported with
         self.to_self = SelfMessages(self)
+        leftovers.watch(self)  # at exit: a message no receive took is an error
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, world_size={self.world_size})"

@@ -30,7 +30,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import frames
+from . import frames, leftovers
 from .agreement import agree, finish_fused, signature, slot_bytes
 from .exits import StoreJob, left_words
 from .protocol import (
@@ -213,6 +213,7 @@ class TorchDistComm(Blocking):
         self.to_self = SelfMessages(self)
         self.sending: list[_TorchWork] = []  # sends not yet waited for (see isend)
         self.spares = frames.Spares(device)  # frame buffers to use again
+        leftovers.watch(self)  # at exit: a send no receive took is an error
 
     def __repr__(self) -> str:
         return f"TorchDistComm({self.backend}, rank={self.rank}, world_size={self.world_size})"
@@ -275,7 +276,7 @@ class TorchDistComm(Blocking):
             data = flat_bytes(dense)[:bulk]
             works.append(self._p2p("send", what, dst, data, frames.bulk_tag(tag, bulk)))
         done = self._work(works, what, dst, lambda: self.spares.give(frame))
-        done.inner.tag = tag
+        done.inner.tag, done.inner.holds = tag, (dense.numel(), dense.dtype)  # (leftovers)
         # a Gloo send whose Work is freed before it completes is dropped: keep every send until
         # it is waited for, so a sender that raises (or forgets) still delivers what it started
         self.sending = [w for w in self.sending if not w.done] + [done.inner]
