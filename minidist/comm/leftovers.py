@@ -114,7 +114,7 @@ def _mpi_leftovers(comms) -> list[str]:
     tell = [world.Isend([b"", MPI.BYTE], r, EXIT_TAG) for r in peers]
     unique = {comm.mpi_comm.py2f(): comm for comm in comms}  # a comm wrapped twice: once
     found: list[str] = []
-    deadline = time.monotonic() + min(comm.timeout for comm in comms)
+    deadline = time.monotonic() + max(comm.timeout for comm in comms)  # finalize would wait too
     while True:
         heard = MPI.Request.Testall(hear)
         for comm in unique.values():  # taken while waiting too: a blocked sender goes free
@@ -124,6 +124,7 @@ def _mpi_leftovers(comms) -> list[str]:
         if time.monotonic() > deadline:  # a peer still busy: what was found stands
             for request in hear:
                 request.Cancel()
+            MPI.Request.Waitall(hear)  # a cancelled receive completes at once
             break
         time.sleep(0.001)
     MPI.Request.Waitall(tell)
