@@ -2,8 +2,9 @@
 
     ci      (the default)  derandomized, no example database: the cases a test draws depend only
                            on the test, never on an earlier run's .hypothesis folder or the clock
-    grade   (labs grading) ci without shrinking: a failing lab reports its first failing case
-                           at once instead of re-running it (and a comm timeout) many times
+    grade   (labs grading) ci without shrinking, stopping at the first failure: a failing lab
+                           reports its first failing case at once instead of re-running it (and
+                           a comm timeout) many times, or looking for a second bug
 
 MINIDIST_HYPOTHESIS=grade picks the second (`tools/labs.py grade` sets it). A test's own
 `@settings(max_examples=..., deadline=None)` keeps the profile's other choices: settings inherit
@@ -25,7 +26,10 @@ from hypothesis import Phase, settings
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=False)
 settings.register_profile(
-    "grade", settings.get_profile("ci"), phases=[Phase.explicit, Phase.generate]
+    "grade",
+    settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.generate],
+    report_multiple_bugs=False,
 )
 settings.load_profile(os.environ.get("MINIDIST_HYPOTHESIS", "ci"))
 

@@ -9,8 +9,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
+import types
 
 import pytest
+import torch
+
+from minidist.testing import run_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools import each other by name
@@ -190,39 +196,107 @@ def test_every_task_has_checks_that_its_grading_runs(lesson):
 
 
 @pytest.mark.pure
-def test_score_reports_every_task_with_its_first_failure_on_one_line():
-    outcomes = labs_grade.Outcomes()
-    rank_failure = (
-        "rank 2 of 4 failed:\nTraceback (most recent call last):\n  File x\nValueError: bad"
+@pytest.mark.parametrize("lesson", sorted(labs.LABS))
+def test_every_test_checks_one_task_at_most_and_every_task_is_worth_points(lesson):
+    """A bug in one region costs that task's points only: no test is a check of two tasks
+    (README rows and hidden tests together), every task has a check, and the points
+    labs_table gives the tasks (10 a lab) name exactly the lab's tasks."""
+    found = labs_grade.tasks(lesson)
+    owner: dict[str, str] = {}
+    for task, checks in found.items():
+        assert checks, f"task {task} has no check"
+        assert len(set(checks)) == len(checks), f"task {task} names a test twice: {checks}"
+        for test in checks:
+            assert test not in owner, f"{test} checks both {owner[test]} and {task}"
+            owner[test] = task
+    worth = labs_grade.points(lesson)
+    assert sorted(worth) == sorted(found), f"lab {lesson}: points for {sorted(worth)}"
+    assert sum(worth.values()) == 10 and all(w > 0 for w in worth.values()), worth
+
+
+RANK_FAILURE = (
+    "AssertionError: rank 2 of 4 failed:\nTraceback (most recent call last):\n"
+    '  File "x.py", line 3, in main\n    results[r] = fn(comm)\n                 ^^^^\n'
+    "ValueError: bad\n"
+)
+TIMEOUT = (
+    "AssertionError: rank 1 of 2 failed:\nTraceback (most recent call last):\n"
+    '  File "t.py", line 9, in wait\n    raise CommTimeout(what)\n'
+    "minidist.comm.protocol.CommTimeout: rank 1 of 2 (threads): recv(tag=0) #1 with peer 0 "
+    "timed out after 3s\n(ranks [0] still running 1s later)\n\nFailing test case: test_x(\n"
+    "    p=2,\n)"
+)
+DEADLOCK = (
+    "AssertionError: deadlock: all 2 live ranks wait and none can proceed\nwait-for cycle: "
+    "rank 0 in send(to 1) -> rank 1 in send(to 0) -> rank 0\n  rank 0 waits in send(to 1)\n"
+    "(rank 1 of 2):\nTraceback (most recent call last):\n"
+    '  File "d.py", line 1, in check\n    raise Deadlock(found)\n'
+    "minidist.comm.protocol.Deadlock: deadlock: all 2 live ranks wait and none can proceed\n"
+    "wait-for cycle: rank 0 in send(to 1) -> rank 1 in send(to 0) -> rank 0\n\n"
+    "Failing test case: test_y(\n    p=2,\n)"
+)
+
+
+@pytest.mark.pure
+def test_one_line_is_the_exceptions_own_words():
+    """The summary line of a failure is what the exception says: a rank's exception, a
+    timeout's rank and operation, a deadlock's cycle; never a line of the report around it."""
+    one = labs_grade.one_line
+    assert one("", RANK_FAILURE, "02.2") == "rank 2 of 4: ValueError: bad"
+    assert one("", TIMEOUT, "02.1") == (
+        "CommTimeout: rank 1 of 2 (threads): recv(tag=0) #1 with peer 0 timed out after 3s"
     )
+    assert one("", DEADLOCK, "02.1") == (
+        "deadlock: all 2 live ranks wait and none can proceed / wait-for cycle: rank 0 in "
+        "send(to 1) -> rank 1 in send(to 0) -> rank 0"
+    )
+    hang = "AssertionError: timed out after 12s; ranks still running: [0, 1]\n\nFailing"
+    assert one("", hang, "") == "timed out after 12s; ranks still running: [0, 1]"
+    assert one("E  assert 1 == 2", "assert 1 == 2", "") == "assert 1 == 2"
+    verdict = "AssertionError: 1 of 4 ranks failed\nrank 3: y: max |difference| 2\nrank 1: z"
+    assert one("", verdict, "") == "1 of 4 ranks failed / rank 3: y: max |difference| 2"
+    assert one('NotImplementedError("Lab 02.3: swap acc")', "", "02.1") == (
+        "unfilled Lab 02.3 (blocks 02.1)"
+    )
+
+
+@pytest.mark.pure
+def test_score_shares_each_tasks_points_among_its_checks(monkeypatch):
+    monkeypatch.setattr(labs_grade, "hidden", lambda lesson: [])  # the README's checks alone
+    outcomes = labs_grade.Outcomes()
     outcomes.passed = {
-        "test_all_reduce_threads": False,
         "test_ring_reduce_scatter_threads": True,
-        "test_ring_sends_2_p_minus_1_over_p_of_the_bytes_to_the_right_only": True,
+        "test_ring_reduce_scatter_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only": False,
         "test_ring_all_gather_threads": False,
+        "test_ring_all_gather_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only": True,
+        "test_recursive_doubling_all_reduce_threads": False,
         "test_recursive_doubling_message_counts": True,
         "test_bad_arguments": False,
     }
     outcomes.failure = {
-        "test_all_reduce_threads": 'NotImplementedError("Lab 02.3: swap acc")',
-        "test_all_reduce_threads:crash": "",
-        "test_ring_all_gather_threads": "E  AssertionError: " + rank_failure,
-        "test_ring_all_gather_threads:crash": "AssertionError: " + rank_failure,
+        "test_ring_reduce_scatter_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only": (
+            'NotImplementedError("Lab 02.3: swap acc")'
+        ),
+        "test_ring_all_gather_threads": "E  " + RANK_FAILURE,
+        "test_recursive_doubling_all_reduce_threads": DEADLOCK,
         "test_bad_arguments": "E  assert 1 == 2",
-        "test_bad_arguments:crash": "assert 1 == 2",
     }
+    outcomes.failure |= {k + ":crash": v for k, v in outcomes.failure.items()}
+    outcomes.failure["test_bad_arguments:crash"] = "assert 1 == 2"
     outcomes.ran = 9
     result = labs_grade.score("02", outcomes) | {"seconds": 1.0}
     rows = {row["task"]: row for row in result["tasks"]}
-    assert [rows[t]["earned"] for t in ("02.1", "02.2", "02.3")] == [2, 1, 1]
-    assert rows["02.1"]["message"] == "test_all_reduce_threads: unfilled Lab 02.3 (blocks 02.1)"
-    assert rows["02.2"]["message"] == (
-        "test_ring_all_gather_threads: AssertionError: rank 2 of 4 failed: / ValueError: bad"
-    )
-    assert rows["02.3"]["message"] == "test_all_reduce_threads: unfilled Lab 02.3"
+    assert [rows[t]["points"] for t in ("02.1", "02.2", "02.3")] == [4, 3, 3]
+    assert [rows[t]["earned"] for t in ("02.1", "02.2", "02.3")] == [2.0, 1.5, 1.5]
+    assert rows["02.1"]["message"].endswith(": unfilled Lab 02.3 (blocks 02.1)")
+    assert rows["02.2"]["message"] == "test_ring_all_gather_threads: rank 2 of 4: ValueError: bad"
+    assert rows["02.3"]["message"].startswith("test_recursive_doubling_all_reduce_threads: deadl")
+    assert (result["earned"], result["points"]) == (5.0, 10)
     assert result["other_failures"] == ["test_bad_arguments: assert 1 == 2"]
     table = labs_grade.table(result)
-    assert " 4 / 9 " in table.splitlines()[-2] and len(table.splitlines()) == 8, table
+    assert "   5 / 10" in table.splitlines()[-3], table
+    assert labs_grade.earned(4, 2, 3) == 2.6 and labs_grade.earned(3, 3, 3) == 3
+    assert labs_grade.earned(1, 0, 2) == 0.0 and labs_grade.earned(3, 1, 2) == 1.5
 
 
 @pytest.mark.threads
@@ -247,6 +321,109 @@ def test_grade_writes_json_and_junit_and_refuses_with_exit_3(tmp_path):
     assert json.loads(report.read_text())["refused"]
 
 
+SEND_FIRST = types.SimpleNamespace(  # lab 02.2's ring with blocking sends first: a deadlock
+    lab="02",
+    task="02.2",
+    name="send before receive",
+    old="        recv = comm.irecv(buf[rlo:rhi], left)  # received in place: no copy, no "
+    "reduction\n        send = comm.isend(buf[lo:hi], right)\n        recv.wait()\n"
+    "        send.wait()  # keep at most one send in flight",
+    new="        comm.send(buf[lo:hi], right)\n        comm.recv(buf[rlo:rhi], left)",
+    module=0,
+)
+LATE_PEAK = types.SimpleNamespace(  # lab 11.1's warm-up reaching the peak a step late
+    lab="11",
+    task="11.1",
+    name="peak on step W",
+    old="(step + 1) / warmup_steps",
+    new="step / warmup_steps",
+    module=0,
+)
+
+
+def grade_json(args: list[str], env: dict | None = None) -> tuple[int, dict]:
+    """`tools/labs.py grade ... --json -` in a fresh process: its exit code, and its stdout,
+    which must be the JSON alone."""
+    tool = os.path.join(ROOT, "tools", "labs.py")
+    run = subprocess.run(
+        [sys.executable, tool, "grade", *args, "--json", "-"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
+    )  # fmt: skip
+    return run.returncode, json.loads(run.stdout)
+
+
+@pytest.mark.threads
+def test_mutants_lose_points_each_in_seconds():
+    """The mutation score of two small wrong solutions: a deadlock and a value off by a step,
+    each planted in the reference and graded by its task's checks, in its own process."""
+    import labs_mutants
+
+    rows = labs_mutants.score([SEND_FIRST, LATE_PEAK])
+    for row in rows:
+        assert row["caught"] and row["earned"] < row["points"], row
+        assert row["seconds"] <= labs_mutants.LIMIT, row
+    assert "deadlock: " in rows[0]["message"] and "wait-for cycle" in rows[0]["message"]
+    assert rows[1]["message"].startswith("test_warmup_is_the_line_from_start_to_the_peak: ")
+    twice = types.SimpleNamespace(**(vars(LATE_PEAK) | {"old": "warmup_steps"}))
+    with pytest.raises(labs.LabError, match="occurs [0-9]+ times in the reference, not once"):
+        labs_mutants.planted(twice)
+    outside = types.SimpleNamespace(**(vars(LATE_PEAK) | {"old": "def lr_at("}))
+    with pytest.raises(labs.LabError, match="not inside the region of 11.1"):
+        labs_mutants.planted(outside)
+
+
+@pytest.mark.threads
+def test_grading_twice_gives_the_same_json(tmp_path):
+    """Deterministic, apart from the timings: a deadlocking lab 02.2, graded twice; --json -
+    writes the JSON alone to stdout (the table goes to stderr)."""
+    import labs_mutants
+
+    path = tmp_path / "lab.py"
+    path.write_text(labs_mutants.planted(SEND_FIRST))
+    runs = [grade_json(["02", "--file", str(path), "--task", "02.2"]) for _ in range(2)]
+    assert runs[0][0] == runs[1][0] == 1
+    first, second = (
+        {k: v for k, v in got.items() if k not in ("seconds", "date")} for _, got in runs
+    )
+    assert first == second
+    assert first["tasks"][0]["earned"] < first["tasks"][0]["points"]
+
+
+@pytest.mark.threads
+def test_a_lab_grades_on_the_reference_of_every_other_lab(tmp_path):
+    """Lab 02's checks run ranks on the threads comm, lab 01's module: grading lab 02 uses its
+    reference even where a learner's unfilled lab 01 is set to stand in for it."""
+    lab01, lab02 = tmp_path / "lab01.py", tmp_path / "lab02.py"
+    lab01.write_text(labs.fresh("01"))  # every region a NotImplementedError
+    lab02.write_text(labs.fresh("02", cut=set()))
+    env = os.environ | {labs.env_var("01"): str(lab01)}
+    code, got = grade_json(["02", "--file", str(lab02), "--task", "02.1"], env)
+    assert code == 0 and got["tasks"][0]["passed"], got["tasks"]
+    assert "01" in got["other_labs"]  # it did run lab 01's module: the reference
+
+
+def stuck_outside_the_comm(comm, release):
+    if comm.rank == 0:
+        release.wait()  # a rank stuck in no comm call: no detector sees it
+    else:
+        comm.recv(torch.zeros(1), 0)
+
+
+@pytest.mark.threads
+def test_a_rank_stuck_outside_the_comm_fails_in_seconds_when_graded(monkeypatch):
+    """Grading's MINIDIST_TIMEOUT: the rank waiting for it times out, the run gives the stuck
+    rank a second more, and fails naming both, in under 5 s."""
+    monkeypatch.setenv("MINIDIST_TIMEOUT", labs_grade.TIMEOUT)
+    release = threading.Event()
+    start = time.monotonic()
+    try:
+        with pytest.raises(AssertionError, match=r"(?s)CommTimeout.*ranks \[0\] still running"):
+            run_threads(stuck_outside_the_comm, 2, release, timeout=60)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5
+
+
 @pytest.mark.pure
 def test_the_students_copy_holds_no_reference_code(tmp_path):
     copy = tmp_path / "course"
@@ -258,10 +435,23 @@ def test_the_students_copy_holds_no_reference_code(tmp_path):
         for part, lab in enumerate(labs.parts(lesson)):
             assert (copy / lab["module"]).read_text() == labs.fresh(lesson, part=part)
     assert not (copy / "lessons" / "12_3d_parallel" / "lab_train.py").exists()
+    for lesson in labs.LABS:  # each README names the module the student fills, not lab.py
+        readme = (copy / labs.LABS[lesson]["folder"] / "README.md").read_text()
+        assert "lab.py" not in readme and "lab_train.py" not in readme, lesson
+        for lab in labs.parts(lesson):
+            assert f"`{lab['module']}` (in this copy, the module itself" in readme, lesson
     # the check sees a reference line wherever it is
     reference = open(os.path.join(ROOT, "minidist", "collectives.py")).read()
     (copy / "notes.txt").write_text(reference)
     assert any(leak.startswith("notes.txt: lab 02:") for leak in labs_export.leaks(str(copy)))
+    # and a region's formula written out again in a test, in other names and other algebra
+    # (lab 11's warm-up, as tests/test_lr.py once had it: pasting it scored every point)
+    answer = "def formula(s, peak, w, start):\n"
+    answer += "    return peak * start + (peak - peak * start) * (s + 1) / w\n"
+    (copy / "tests" / "test_answer.py").write_text(answer)
+    assert any(
+        leak.startswith("tests/test_answer.py:2: lab 11.1") for leak in labs_export.leaks(str(copy))
+    )
     tool = str(copy / "tools" / "labs.py")
     status = subprocess.run([sys.executable, tool, "status"], capture_output=True, text=True)
     assert "minidist/collectives.py" in status.stdout and "02.1, 02.2, 02.3" in status.stdout

@@ -6,6 +6,7 @@
     python tools/labs.py status         # which labs are filled, their last grades
     python tools/labs.py export DIR     # the student's copy of the course         (make handout)
     python tools/labs.py unfilled 01    # prove the tests fail on an unfilled lab   (CI)
+    python tools/labs.py mutants 02     # grade lab 02's catalogued wrong solutions (instructor)
 
 A lesson's taught regions are marked in its reference module by comment lines:
 
@@ -26,7 +27,8 @@ points MINIDIST_IMPL_<NAME>, which `minidist.testing.impl()` reads, at the learn
 the lesson's tests: the very tests that check the reference; it refuses a file changed outside
 its markers. `unfilled` runs a few of those tests once per region, with only that region cut
 out, and fails unless each region makes them fail with its own "Lab NN.k" error; it also runs
-them on the lab with nothing cut out, which must pass. `export` is labs_export.py.
+them on the lab with nothing cut out, which must pass. `export` is labs_export.py, `mutants`
+labs_mutants.py (instructor/grading.md).
 """
 
 from __future__ import annotations
@@ -306,7 +308,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--file", nargs="+", help="grade these files instead of the lesson's (lab.py, lab_train.py)"
     )
-    g.add_argument("--json", help="also write the grade as JSON to this path ('-': stdout)")
+    g.add_argument(
+        "--json", help="also write the grade as JSON to this path ('-': stdout, the JSON alone)"
+    )
+    g.add_argument("--task", nargs="+", help="grade only these tasks (NN.k): their checks alone")
+    g.add_argument("--all", action="store_true", help="run the tests no task names too (no points)")
     g.add_argument("--junit", help="also write pytest's JUnit XML to this path")
     g.add_argument("--verbose", action="store_true", help="pytest's own report as well")
     sub.add_parser("status", help="which labs are filled, and their last grades")
@@ -314,6 +320,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("dir")
     u = sub.add_parser("unfilled", help="prove lesson NN's tests fail on an unfilled lab")
     u.add_argument("lessons", nargs="*", help="default: every lesson")
+    m = sub.add_parser("mutants", help="grade the labs' catalogued wrong solutions")
+    m.add_argument("lessons", nargs="*", help="default: every lesson")
+    m.add_argument("--out", default=None, help="the table's file (default instructor/mutants.md)")
     return parser
 
 
@@ -336,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if problems else 0
         if args.verb == "grade":
             options = {"json": args.json, "junit": args.junit, "verbose": args.verbose}
+            options |= {"tasks": args.task, "all": args.all}
             return labs_grade.grade(args.lesson.zfill(2), args.file, pytest_args, options)
         if args.verb == "status":
             print(labs_grade.status())
@@ -346,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {len(written)} files to {args.dir}")
             print("\n".join(f"reference code left: {f}" for f in found) or "no reference code")
             return 1 if found else 0
+        if args.verb == "mutants":
+            if not os.path.exists(os.path.join(ROOT, "tools", "labs_mutants.py")):
+                raise LabError("mutants is the instructor's: this copy has no wrong solutions")
+            import labs_mutants
+
+            lessons = [lesson.zfill(2) for lesson in args.lessons]
+            return labs_mutants.main(lessons, args.out or labs_mutants.REPORT)
         lessons = [lesson.zfill(2) for lesson in args.lessons] or list(LABS)
         problems = [p for lesson in lessons for p in labs_grade.unfilled(lesson)]
         print("\n".join(problems) or "every region is caught by its tests")

@@ -37,14 +37,14 @@ import time
 import labs
 
 TIMEOUT = "3"  # seconds a graded comm may wait: a correct lab waits milliseconds
-PURE_LIMIT = 12.0  # seconds an example may run outside the ranks (a threads run: 4 x TIMEOUT)
+PURE_LIMIT = 12.0  # seconds an example may run outside the ranks (a threads run: 2 x TIMEOUT)
 TEST = re.compile(r"`(test_\w+)`")
 ROW = re.compile(r"^\|\s*(?:Lab )?(\d\d\.\d+)\b")
 GRADES = os.path.join(labs.ROOT, "out", "grades")  # the last grade of each lab, for `status`
 POLICY = (
-    "each task is worth its points; its checks share them equally; a task earns its points "
-    "x the checks passed / its checks, rounded down to a tenth (all of them only when every "
-    "check passes)"
+    "a task's checks share its points: it earns points x checks passed / checks, rounded down "
+    "to a tenth, all of them only when every check passes; after a check that hangs (times "
+    "out) the task's later checks are not run and earn nothing"
 )
 
 
@@ -83,13 +83,17 @@ def hidden(lesson: str) -> list[str]:
 
 class Outcomes:
     """A pytest plugin: per test function, whether every case passed, and the first failure.
-    only: the test functions to run (None: all)."""
+    only: the test functions to run (None: all). task_of: each check's task; once a check
+    hangs (fails on a timeout), its task's later checks are skipped: each could hang as long,
+    and a whole lab that hangs must still grade in a minute (POLICY)."""
 
-    def __init__(self, only: set[str] | None = None):
+    def __init__(self, only: set[str] | None = None, task_of: dict[str, str] | None = None):
         self.passed: dict[str, bool] = {}
         self.failure: dict[str, str] = {}
         self.ran = 0
         self.only = only
+        self.task_of = task_of or {}
+        self.hung: dict[str, str] = {}  # task -> its check that hung
 
     def pytest_collection_modifyitems(self, config, items) -> None:
         if self.only is None:
@@ -101,8 +105,12 @@ class Outcomes:
     def pytest_runtest_setup(self, item) -> None:
         import pytest
 
-        if self.passed.get(item.name.split("[")[0]) is False:  # one failing case fails it
+        name = item.name.split("[")[0]
+        if self.passed.get(name) is False:  # one failing case fails it
             pytest.skip("this check has already failed: its other cases need not run")
+        task = self.task_of.get(name)
+        if task in self.hung and self.hung[task] != name:
+            pytest.skip(f"{self.hung[task]} hung: the later checks of {task} are not run")
 
     def pytest_runtest_logreport(self, report) -> None:
         name = report.nodeid.split("::")[-1].split("[")[0]
@@ -113,6 +121,9 @@ class Outcomes:
             self.failure[name] = report.longreprtext
             crash = getattr(report.longrepr, "reprcrash", None)
             self.failure[name + ":crash"] = crash.message if crash else ""
+            said = self.failure[name + ":crash"] or self.failure[name]
+            if name in self.task_of and TIMED_OUT.search(said.split("Failing test case")[0]):
+                self.hung.setdefault(self.task_of[name], name)
 
 
 class Hang(Exception):
@@ -144,10 +155,19 @@ class Limit:
         given = getattr(item.obj, "hypothesis", None)
         inner = given.inner_test if given is not None else None
         if inner is not None:
+            failed: dict[str, Exception] = {}
 
             def each_example(*args, **kwargs):
+                key = repr((args, sorted(kwargs.items())))
+                if key in failed:  # hypothesis runs a failing example again to report it: the
+                    raise failed[key]  # same failure, without a hang's seconds a second time
                 self._arm()  # a fresh limit for every example
-                return inner(*args, **kwargs)
+                try:
+                    return inner(*args, **kwargs)
+                except Exception as e:
+                    if not type(e).__module__.startswith("hypothesis"):
+                        failed[key] = e
+                    raise
 
             given.inner_test = each_example
         before = signal.signal(signal.SIGALRM, self._expired)
@@ -163,8 +183,8 @@ class Limit:
     pytest_runtest_call.hookwrapper = True  # type: ignore[attr-defined]
 
 
+TIMED_OUT = re.compile(r"timed out after \d|still running after \d")  # a comm's, a run's, Hang
 HARNESS = re.compile(r"^(?:AssertionError: )?rank (\d+) of (\d+) failed:$")
-EXCEPTION = re.compile(r"^[\w.]*(?:Error|Exception|Timeout|Deadlock|PeerFailed|Mismatch|Hang)\b")
 
 
 def _final_exception(lines: list[str]) -> list[str]:
@@ -204,13 +224,13 @@ def one_line(text: str, crash: str, task: str, limit: int = 220) -> str:
         line = " / ".join(kept)
     else:
         first = lines[0].strip()
-        if first.startswith("AssertionError: ") and re.match(
-            r"AssertionError: (deadlock|timed out|rank \d+ \w+ while)", first
+        if re.match(
+            r"AssertionError: (deadlock|timed out|rank \d+ \w+ while|\d+ of \d+ ranks)", first
         ):
             first = first.removeprefix("AssertionError: ")  # the harness's own words
         kept = [first]
-        if first.startswith("deadlock") and len(lines) > 1:
-            kept.append(lines[1].strip())  # the wait-for cycle
+        if re.match(r"deadlock|\d+ of \d+ ranks failed$", first) and len(lines) > 1:
+            kept.append(lines[1].strip())  # the wait-for cycle; the first failing rank's words
         line = " / ".join(kept)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -233,7 +253,8 @@ def run_tests(
     for part, path in enumerate(paths):
         os.environ[labs.env_var(lesson, part)] = path
     os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
-    outcomes = Outcomes(only)
+    task_of = {test: task for task, tests in tasks(lesson).items() for test in tests}
+    outcomes = Outcomes(only, task_of)
     quiet = ["--tb=short", "-q"] if verbose else ["-p", "no:terminal"]
     args = [*labs.LABS[lesson]["grade"], *hidden(lesson), *quiet, "-p", "no:cacheprovider"]
     old = os.getcwd()
@@ -255,9 +276,12 @@ def score(lesson: str, outcomes: Outcomes, only: set[str] | None = None) -> dict
         if only is not None and task not in only:
             continue
         checks = []
+        hung = outcomes.hung.get(task)
         for test in tests:
             passed = outcomes.passed.get(test)
             message = "not run" if passed is None else ""
+            if passed is None and hung and test != hung:
+                message = f"not run: {hung} hung first"
             if passed is False:
                 message = one_line(outcomes.failure[test], outcomes.failure[test + ":crash"], task)
             checks.append({"test": test, "passed": bool(passed), "message": message})
@@ -333,7 +357,8 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
     """Grade the lab's files (default: the lesson's lab.py, lab_train.py, ...); print the
     table; 0 when every task passes, 1 when some fail, 3 when a file is refused. options:
     json (a path, '-': the JSON alone on stdout, the rest on stderr), junit, verbose, tasks
-    (grade only these task ids)."""
+    (grade only these task ids), all (run the tests no task names too: their failures are
+    listed, worth no points; by default only the checks run)."""
     n = len(labs.parts(lesson))
     if files is not None and len(files) != n:
         print(f"lab {lesson}: --file takes {n} files, one per part, got {len(files)}")
@@ -365,7 +390,9 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
         start = time.monotonic()
         if options.get("junit"):
             extra = [*extra, f"--junitxml={os.path.abspath(options['junit'])}"]
-        selected = None if only is None else {t for k in only for t in tasks(lesson)[k]}
+        graded = only or set(tasks(lesson))
+        selected = {t for k in graded for t in tasks(lesson)[k]}  # the checks, unless --all
+        selected = None if options.get("all") else selected
         outcomes = run_tests(lesson, paths, extra, options.get("verbose", False), selected)
         result |= score(lesson, outcomes, only) | {"seconds": round(time.monotonic() - start, 1)}
         result["other_labs"] = other_labs(lesson)
