@@ -34,8 +34,9 @@ settings.register_profile(
 settings.load_profile(os.environ.get("MINIDIST_HYPOTHESIS", "ci"))
 
 
-# torch's own compiled-kernel cache, which it keeps on purpose (here it goes with the folder)
-TORCH_CACHES = ("torchinductor_",)
+# what torch keeps on purpose, here removed with the folder: its compiled-kernel cache, and the
+# log folder torchrun's agent makes for each job (tests/test_launchers.py runs torchrun)
+TORCH_CACHES = ("torchinductor_", "torchelastic_")
 
 
 @pytest.fixture(scope="session", autouse=True)
