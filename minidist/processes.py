@@ -41,13 +41,14 @@ STDIN_FD = "MINIDIST_STDIN_FD"  # the launcher's standard input, passed down to 
 JOB_PREFIX = "minidist-run-"  # a launcher's folder, in the temporary folder (TMPDIR)
 
 
-def job_folder() -> tuple[str, int]:
+def job_folder(prefix: str = JOB_PREFIX, min_age: float = 0.0) -> tuple[str, int]:
     """(a new folder for one launch, the descriptor that holds its lock): keep the descriptor
     open while the job runs, then remove the folder and close it (release_folder). First removes
-    every folder of a launcher that is gone (remove_orphans)."""
+    every folder of a launcher that is gone (remove_orphans). The test suite makes its own
+    temporary folder the same way (prefix, min_age: tests/conftest.py)."""
     root = tempfile.gettempdir()
-    remove_orphans(root)
-    new = tempfile.mkdtemp(prefix="." + JOB_PREFIX, dir=root)  # hidden: no sweep looks here
+    remove_orphans(root, prefix, min_age)
+    new = tempfile.mkdtemp(prefix="." + prefix, dir=root)  # hidden: no sweep looks here
     lock = os.open(new, os.O_RDONLY | os.O_DIRECTORY)  # not inherited by the ranks (Python's
     fcntl.flock(lock, fcntl.LOCK_EX)  # default): the lock lives exactly as long as we do
     folder = os.path.join(root, os.path.basename(new)[1:])
@@ -61,16 +62,18 @@ def release_folder(folder: str, lock: int) -> None:
     os.close(lock)
 
 
-def remove_orphans(root: str) -> list[str]:
+def remove_orphans(root: str, prefix: str = JOB_PREFIX, min_age: float = 0.0) -> list[str]:
     """Remove the launchers' folders under root whose lock nobody holds (their launcher died
-    without its `finally`: SIGKILL); the ones removed."""
+    without its `finally`: SIGKILL), and not changed for min_age seconds; the ones removed."""
     removed = []
     for entry in os.scandir(root):
-        if not entry.name.startswith(JOB_PREFIX) or not entry.is_dir(follow_symlinks=False):
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
             continue
         try:
             if entry.stat().st_uid != os.getuid():
                 continue  # another user's launcher: theirs to clean
+            if time.time() - entry.stat().st_mtime < min_age:
+                continue
             fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:  # removed meanwhile
             continue

@@ -18,11 +18,12 @@ other process on the machine writes there, so the check is exact.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
 import pytest
 from hypothesis import Phase, settings
+
+from minidist import processes
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=False)
 settings.register_profile(
@@ -37,14 +38,17 @@ settings.load_profile(os.environ.get("MINIDIST_HYPOTHESIS", "ci"))
 # what torch keeps on purpose, here removed with the folder: its compiled-kernel cache, and the
 # log folder torchrun's agent makes for each job (tests/test_launchers.py runs torchrun)
 TORCH_CACHES = ("torchinductor_", "torchelastic_")
+SUITE_STALE = 600.0  # seconds
 
 
 @pytest.fixture(scope="session", autouse=True)
 def suite_temporary_folder(tmp_path_factory):
     """The suite's own temporary folder; at the end, every entry a test, a launcher or a tool
-    left there is an error naming it (and the folder goes)."""
+    left there is an error naming it (and the folder goes). Locked while the run lives, as a
+    launcher's folder is: a run killed before its end leaves it to a later run, which removes it
+    (once nothing has changed in it for SUITE_STALE seconds: runs from before the lock had none)."""
     tmp_path_factory.getbasetemp()  # pytest's tmp_path folders: where they were, pytest's
-    folder = tempfile.mkdtemp(prefix="minidist-suite-")
+    folder, lock = processes.job_folder(prefix="minidist-suite-", min_age=SUITE_STALE)
     names = ("TMPDIR", "PYTEST_DEBUG_TEMPROOT")
     old = {name: os.environ.get(name) for name in names} | {"tempdir": tempfile.tempdir}
     # a pytest run inside this one (grading a lab) keeps its tmp_path folders where ours are
@@ -58,5 +62,5 @@ def suite_temporary_folder(tmp_path_factory):
             os.environ[name] = old[name]
     tempfile.tempdir = old["tempdir"]
     left = sorted(x for x in os.listdir(folder) if not x.startswith(TORCH_CACHES))
-    shutil.rmtree(folder, ignore_errors=True)
+    processes.release_folder(folder, lock)
     assert not left, f"the suite left {len(left)} entries in its temporary folder: {left[:20]}"
