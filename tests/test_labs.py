@@ -255,6 +255,10 @@ def test_one_line_is_the_exceptions_own_words():
     assert one("E  assert 1 == 2", "assert 1 == 2", "") == "assert 1 == 2"
     verdict = "AssertionError: 1 of 4 ranks failed\nrank 3: y: max |difference| 2\nrank 1: z"
     assert one("", verdict, "") == "1 of 4 ranks failed / rank 3: y: max |difference| 2"
+    left = "AssertionError: 1 message(s) sent but never received:\n  rank 0 -> rank 1, tag 3: (2,)"
+    assert one("", left, "") == (
+        "1 message(s) sent but never received: / rank 0 -> rank 1, tag 3: (2,)"
+    )
     assert one('NotImplementedError("Lab 02.3: swap acc")', "", "02.1") == (
         "unfilled Lab 02.3 (blocks 02.1)"
     )

@@ -322,7 +322,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("lessons", nargs="*", help="default: every lesson")
     m = sub.add_parser("mutants", help="grade the labs' catalogued wrong solutions")
     m.add_argument("lessons", nargs="*", help="default: every lesson")
-    m.add_argument("--out", default=None, help="the table's file (default instructor/mutants.md)")
+    m.add_argument(
+        "--out", help="write the table here (default: instructor/mutants.md, for every lab)"
+    )
     return parser
 
 
@@ -362,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             import labs_mutants
 
             lessons = [lesson.zfill(2) for lesson in args.lessons]
-            return labs_mutants.main(lessons, args.out or labs_mutants.REPORT)
+            # the instructor's table is every lab's: a run of some labs prints theirs alone
+            path = args.out or (None if lessons else labs_mutants.REPORT)
+            return labs_mutants.main(lessons, path)
         lessons = [lesson.zfill(2) for lesson in args.lessons] or list(LABS)
         problems = [p for lesson in lessons for p in labs_grade.unfilled(lesson)]
         print("\n".join(problems) or "every region is caught by its tests")

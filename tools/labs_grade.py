@@ -37,7 +37,7 @@ import time
 import labs
 
 TIMEOUT = "3"  # seconds a graded comm may wait: a correct lab waits milliseconds
-PURE_LIMIT = 12.0  # seconds an example may run outside the ranks (a threads run: 2 x TIMEOUT)
+PURE_LIMIT = 12.0  # seconds an example may run outside the ranks (the longest takes about 3)
 TEST = re.compile(r"`(test_\w+)`")
 ROW = re.compile(r"^\|\s*(?:Lab )?(\d\d\.\d+)\b")
 GRADES = os.path.join(labs.ROOT, "out", "grades")  # the last grade of each lab, for `status`
@@ -184,6 +184,9 @@ class Limit:
 
 
 TIMED_OUT = re.compile(r"timed out after \d|still running after \d")  # a comm's, a run's, Hang
+# what run_threads and verdict say, and which of it takes two lines to say
+HARNESS_SAYS = r"deadlock|timed out|rank \d+ \w+ while|\d+ of \d+ ranks|\d+ message\(s\) sent"
+TWO_LINES = r"deadlock|\d+ of \d+ ranks failed$|\d+ message\(s\) sent but never received"
 HARNESS = re.compile(r"^(?:AssertionError: )?rank (\d+) of (\d+) failed:$")
 
 
@@ -224,13 +227,11 @@ def one_line(text: str, crash: str, task: str, limit: int = 220) -> str:
         line = " / ".join(kept)
     else:
         first = lines[0].strip()
-        if re.match(
-            r"AssertionError: (deadlock|timed out|rank \d+ \w+ while|\d+ of \d+ ranks)", first
-        ):
+        if re.match(rf"AssertionError: ({HARNESS_SAYS})", first):
             first = first.removeprefix("AssertionError: ")  # the harness's own words
         kept = [first]
-        if re.match(r"deadlock|\d+ of \d+ ranks failed$", first) and len(lines) > 1:
-            kept.append(lines[1].strip())  # the wait-for cycle; the first failing rank's words
+        if re.match(TWO_LINES, first) and len(lines) > 1:
+            kept.append(lines[1].strip())  # the cycle; the first failing rank; the first message
         line = " / ".join(kept)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 

@@ -114,9 +114,9 @@ def line(row: dict) -> str:
     got = "error" if row["earned"] is None else f"{row['earned']:g} / {row['points']:g}"
     verdict = "" if row["caught"] else " **not caught**"
     slow = " **slow**" if row["seconds"] > LIMIT else ""
-    message = row["message"].replace("|", "\\|")
+    message, name = (row[k].replace("|", "\\|") for k in ("message", "mutant"))
     return (
-        f"| {row['lab']} | {row['mutant']} | {row['task']} | {got}{verdict} | "
+        f"| {row['lab']} | {name} | {row['task']} | {got}{verdict} | "
         f"{row['seconds']:.1f}{slow} | {message} |"
     )
 
@@ -143,7 +143,8 @@ def write(rows: list[dict], path: str = REPORT) -> None:
 
 
 def main(lessons: list[str], path: str | None = REPORT) -> int:
-    """Grade the mutants of these labs (all if none); 1 if any passes or fails to grade."""
+    """Grade the mutants of these labs (all if none), write the table to `path` (None: print
+    it only); 1 if any passes or fails to grade."""
     mutants = [m for m in catalogue() if not lessons or m.lab in lessons]
     if not mutants:
         raise labs.LabError(f"no mutants for labs {lessons or 'any'} in {CATALOGUE}")
