@@ -105,20 +105,22 @@ def _mpi_leftovers(comms) -> list[str]:
     module docstring: first hear from every peer that it is done)."""
     from mpi4py import MPI
 
-    from .mpi import CODES, EXIT_TAG
+    # the mpi backend's tag encoding, read from its comm: leftovers is imported by mpi.py
+    codes = comms[0].codes
+    exit_tag = comms[0].exit_tag
 
     world = MPI.COMM_WORLD
     peers = [r for r in range(world.Get_size()) if r != world.Get_rank()]
     done = [bytearray(1) for _ in peers]
-    hear = [world.Irecv([buf, MPI.BYTE], r, EXIT_TAG) for buf, r in zip(done, peers, strict=True)]
-    tell = [world.Isend([b"", MPI.BYTE], r, EXIT_TAG) for r in peers]
+    hear = [world.Irecv([buf, MPI.BYTE], r, exit_tag) for buf, r in zip(done, peers, strict=True)]
+    tell = [world.Isend([b"", MPI.BYTE], r, exit_tag) for r in peers]
     unique = {comm.mpi_comm.py2f(): comm for comm in comms}  # a comm wrapped twice: once
     found: list[str] = []
     deadline = time.monotonic() + max(comm.timeout for comm in comms)  # finalize would wait too
     while True:
         heard = MPI.Request.Testall(hear)
         for comm in unique.values():  # taken while waiting too: a blocked sender goes free
-            found += _take_all(comm, CODES)
+            found += _take_all(comm, codes)
         if heard:
             break
         if time.monotonic() > deadline:  # a peer still busy: what was found stands

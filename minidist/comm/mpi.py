@@ -173,6 +173,8 @@ class MPIComm(Blocking):
     """A `Comm` over an mpi4py communicator (COMM_WORLD by default)."""
 
     backend = "mpi"
+    codes = CODES  # the wire's tag encoding and the exit word's tag, for leftovers.py
+    exit_tag = EXIT_TAG
     fused_bytes = 1024  # a payload this small rides in the agreement (agreement.py): 1 KiB here
     roll = None  # who has ended (exits.py; minidist run's folder): a wait fails naming a peer
     # that left, within a second; None (mpiexec by hand): such a wait lasts until the timeout
