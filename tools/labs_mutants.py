@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 import labs
@@ -125,19 +126,14 @@ def write(rows: list[dict], path: str = REPORT) -> None:
     """The table, with how it was made, into instructor/mutants.md."""
     caught = sum(r["caught"] for r in rows)
     slowest = max((r["seconds"] for r in rows), default=0.0)
-    text = [
-        "# Mutation score",
-        "",
-        "Written by `python tools/labs.py mutants` (every lab; `mutants NN` for one): each wrong",
-        "solution of tests/hidden/mutants.py planted into its lab's reference and graded with",
-        "`grade NN --file ... --task NN.k` (the lesson's tests and the hidden ones). Every one",
-        f"must lose points, in at most {LIMIT:g} s. This run: {caught} of {len(rows)} caught, the",
-        f"slowest graded in {slowest:.1f} s.",
-        "",
-        HEAD,
-        *[line(r) for r in rows],
-        "",
-    ]
+    about = (
+        "Written by `python tools/labs.py mutants` (instructor/grading.md): each wrong solution "
+        "of tests/hidden/mutants.py planted into its lab's reference and graded with `grade NN "
+        "--file ... --task NN.k` (its task's public and hidden checks). Every one must lose "
+        f"points, in at most {LIMIT:g} s. This run: {caught} of {len(rows)} caught, the slowest "
+        f"graded in {slowest:.1f} s."
+    )
+    text = ["# Mutation score", "", textwrap.fill(about, 96), "", HEAD, *map(line, rows), ""]
     with open(path, "w") as f:
         f.write("\n".join(text))
 
