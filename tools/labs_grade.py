@@ -401,7 +401,7 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
         print(table(result))
         if result["other_labs"] and labs.handout() is not None:
             print(
-                f"these tests also ran your labs {', '.join(result['other_labs'])}: a failure "
+                f"these tests also load your labs {', '.join(result['other_labs'])}: a failure "
                 "may be theirs (the instructor grades each lab against the reference of the rest)"
             )
     _report(result, options)
