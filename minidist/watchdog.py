@@ -237,6 +237,11 @@ class Watch:
 
     def poll(self) -> None:
         """Update every rank: ended? with which code? what did it leave?"""
+        if self.lifelines is not None:
+            # record every lifeline closed since the last pause first: a rank killed since
+            # then, found dead below by its pid, must count from when it was last seen alive,
+            # not from now (else a peer failing of it a moment later would look first)
+            self.lifelines.wait(0)
         now = time.monotonic()
         for r in self.ranks:
             if r.ended is not None:
