@@ -262,6 +262,12 @@ def test_one_line_is_the_exceptions_own_words():
     assert one('NotImplementedError("Lab 02.3: swap acc")', "", "02.1") == (
         "unfilled Lab 02.3 (blocks 02.1)"
     )
+    assert one("E   NotImplementedError: Lab 11.2: decay", "", "11.1") == (
+        "unfilled Lab 11.2 (blocks 11.1)"
+    )
+    # a test's docstring quoted in the traceback names a task: it is not an unfilled region
+    docstring = '    """Lab 11.1: the warm-up climbs"""\nE   assert 0.5 == 0.25'
+    assert one(docstring, "assert 0.5 == 0.25", "11.1") == "assert 0.5 == 0.25"
 
 
 @pytest.mark.pure

@@ -204,7 +204,8 @@ def one_line(text: str, crash: str, task: str, limit: int = 220) -> str:
     """A failure's text as one line: the unfilled region it hit, else the exception's own
     message: a rank's exception (named `rank r of p: ...`), a deadlock's first two lines (what
     happened, the wait-for cycle), a timeout's rank and operation, an assertion's words."""
-    hit = re.search(r"Lab (\d\d\.\d+): ", text)
+    # the stub's own exception, not any "Lab NN.k: " (a test's docstring in the traceback)
+    hit = re.search(r"NotImplementedError(?:: |\(\s*[\"'])Lab (\d\d\.\d+): ", text)
     if hit:
         return f"unfilled Lab {hit[1]}" + (f" (blocks {task})" if task not in ("", hit[1]) else "")
     lines = [re.sub(r"^E   ?", "", line).rstrip() for line in (crash or text).splitlines()]
