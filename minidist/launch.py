@@ -145,9 +145,17 @@ def init(backend: str | None = None, timeout: float | None = None, debug: bool |
         # torchrun restarts meets the same store again, with new keys
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         comm = torchdist.init_process_group(
-            backend, rank, world, addr, port, timeout, int(local_rank), agent_serves,
-            watch=not folder, attempt=attempt,
-        )  # fmt: skip
+            backend,
+            rank,
+            world,
+            addr,
+            port,
+            timeout,
+            int(local_rank),
+            agent_serves,
+            watch=not folder,
+            attempt=attempt,
+        )
     if backend != "threads":
         if folder:  # the ranks' exit codes, as the wrapper leaves them for the launcher
             comm.roll = FolderRoll(folder)

@@ -271,8 +271,10 @@ def test_merge_of_two_key_halves_equals_one_softmax(m):
     k, v = (torch.randn(2, 3, 2 * m, 4, generator=gen, dtype=F64) for _ in range(2))
     s = q @ k.transpose(-2, -1) / 2  # (B, H, m, 2m); scale 1/sqrt(d)
     want, want_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
-    halves = [(torch.softmax(h, -1) @ w, torch.logsumexp(h, -1)) for h, w in
-              ((s[..., :m], v[:, :, :m]), (s[..., m:], v[:, :, m:]))]  # fmt: skip
+    halves = [
+        (torch.softmax(h, -1) @ w, torch.logsumexp(h, -1))
+        for h, w in ((s[..., :m], v[:, :, :m]), (s[..., m:], v[:, :, m:]))
+    ]
     for first, second in (halves, halves[::-1]):
         out, lse = cpm.merge(*first, *second)
         assert torch.allclose(out, want, RTOL, ATOL), (out - want).abs().max()

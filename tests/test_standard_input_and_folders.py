@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from minidist import processes
+from minidist.watchdog import _alive  # the launcher's own test of a pid
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -85,11 +86,3 @@ def test_a_folder_whose_launcher_lives_is_kept(tmp_path, monkeypatch):
     processes.release_folder(live, lock)
     other.rmdir()
     assert not list(tmp_path.iterdir())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -187,8 +187,10 @@ class StoreJob:
             return
         if hung is not None:
             r, stack = hung
-            sys.stderr.write(f"[rank {self.rank}] rank {r} hung: {why}; rank(s) still running: "
-                             f"{late}\nits stack:\n{stack}")  # fmt: skip
+            sys.stderr.write(
+                f"[rank {self.rank}] rank {r} hung: {why}; rank(s) still running: "
+                f"{late}\nits stack:\n{stack}"
+            )
         sys.stderr.flush()
         os._exit(1)
 

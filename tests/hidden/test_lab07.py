@@ -130,8 +130,10 @@ def clipped(comm, stage: int, max_norm: float) -> None:
     norm = z.clip_grad_norm_(max_norm)
     z.step()
     with z.gathered():
-        pairs = {n: (q.detach().clone(), q_ref.detach()) for (n, q), q_ref in
-                 zip(model.named_parameters(), ref.parameters(), strict=True)}  # fmt: skip
+        pairs = {
+            n: (q.detach().clone(), q_ref.detach())
+            for (n, q), q_ref in zip(model.named_parameters(), ref.parameters(), strict=True)
+        }
     pairs["norm"] = (norm.reshape(()).to(F64), ref_norm.to(F64))
     check_all(comm, pairs, 1e-12, 1e-14, context=f"stage {stage} max_norm={max_norm}")
 

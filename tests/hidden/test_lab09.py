@@ -93,8 +93,11 @@ def one_rank_overflows(comm) -> list[int]:
         if stepped != (step == 1):
             problems.append(f"step {step}: stepped={stepped}")
         if step == 0:
-            problems += [f"step 0 moved a parameter: {q}" for q, s in zip(model.parameters(), start,
-                         strict=True) if not torch.equal(q, s)]  # fmt: skip
+            problems += [
+                f"step 0 moved a parameter: {q}"
+                for q, s in zip(model.parameters(), start, strict=True)
+                if not torch.equal(q, s)
+            ]
     want_scales = 8.0
     if mp.scaler.scale != want_scales:
         problems.append(f"scale {mp.scaler.scale}, expected {want_scales}")
@@ -104,8 +107,9 @@ def one_rank_overflows(comm) -> list[int]:
             q -= 0.1 * q.grad
     verdict(comm, not problems, f"rank {r}: " + "; ".join(problems))
     pairs = {}
-    for (name, q), m, q_ref in zip(model.named_parameters(), mp.master, ref.parameters(),
-                                   strict=True):  # fmt: skip
+    for (name, q), m, q_ref in zip(
+        model.named_parameters(), mp.master, ref.parameters(), strict=True
+    ):
         pairs[f"model {name}"] = (q.detach(), q_ref.detach())
         pairs[f"master {name}"] = (m.detach(), q_ref.detach())
     check_all(comm, pairs, 1e-12, 1e-14)
@@ -125,9 +129,13 @@ def two_stages_one_overflow(comm) -> list[int]:
     dp_comm = comm.split(comm.rank // 2)
     model = Net()
     mp = amp.MixedPrecisionOptimizer(
-        model, lambda ps: torch.optim.SGD(ps, lr=0.1), f64, amp.LossScaler(4.0), dp_comm,
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        f64,
+        amp.LossScaler(4.0),
+        dp_comm,
         overflow_comm=comm,
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(comm.rank)
     for step in range(3):
         mp.zero_grad()

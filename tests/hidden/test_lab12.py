@@ -25,8 +25,13 @@ LAYOUTS = [(1, 1, 1, 2), (2, 1, 2, 2), (1, 2, 2, 3), (2, 3, 1, 2), (3, 2, 2, 3)]
 
 def places(dp: int, pp: int, tp: int, cp: int) -> dict[int, tuple[int, int, int, int]]:
     """rank -> (d, s, c, t), from the formula, by brute force."""
-    return {((d * pp + s) * cp + c) * tp + t: (d, s, c, t) for d in range(dp) for s in range(pp)
-            for c in range(cp) for t in range(tp)}  # fmt: skip
+    return {
+        ((d * pp + s) * cp + c) * tp + t: (d, s, c, t)
+        for d in range(dp)
+        for s in range(pp)
+        for c in range(cp)
+        for t in range(tp)
+    }
 
 
 @pytest.mark.pure
@@ -99,9 +104,11 @@ def first_steps(comm, options: dict) -> None:
 @pytest.mark.threads
 @pytest.mark.parametrize(
     "options",
-    [dict(dp=1, pp=2, tp=2, microbatches=2, batch=2),
-     dict(dp=2, pp=2, tp=1, schedule="interleaved", chunks=2, microbatches=2, batch=4)],
-)  # fmt: skip
+    [
+        dict(dp=1, pp=2, tp=2, microbatches=2, batch=2),
+        dict(dp=2, pp=2, tp=1, schedule="interleaved", chunks=2, microbatches=2, batch=4),
+    ],
+)
 def test_12_4_layers_and_chunks_of_every_rank_are_the_main_jobs(options):
     run_threads(first_steps, 4, options, timeout=60, comm_timeout=3)
 
