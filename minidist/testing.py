@@ -4,8 +4,11 @@
     results = run_ranks(fn, 4, "mpi", x)         # the same over 4 real MPI processes
     results = run_ranks(fn, 4, "gloo", x)        # ... or 4 Gloo processes
 
-`fn` gets the rank's comm first. Over processes it must be a module-level function (it is sent by
-name) and its arguments and result must pickle. A rank that raises fails the whole run with that
+`fn` gets the rank's comm first. On threads the world is the strict one (sends complete only when
+their receive is posted, as MPI_Ssend): an ordering that can deadlock on any MPI fails at once
+with `Deadlock` naming the cycle, and a message no receive took fails the run. Over processes
+`fn` must be a module-level function (it is sent by name) and its arguments and result must
+pickle. A rank that raises fails the whole run with that
 rank's traceback; a run that outlives `timeout` fails naming the ranks still running, instead of
 hanging the suite. Where MINIDIST_TIMEOUT is set (lab grading sets it low), no comm waits longer,
 and no threads run lasts more than RUN_PAST_COMM_TIMEOUT longer (ranks that loop forever).
