@@ -15,9 +15,9 @@ import math
 import os
 import sys
 
-from .launch import BACKENDS, launch, run_threads
-from .schedule_cli import add_schedule_command
-from .watchdog import job_timeout
+from minidist.launch.launcher import BACKENDS, launch, run_threads
+from minidist.launch.watchdog import job_timeout
+from minidist.pipeline.draw import add_schedule_command
 
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
 MAY_BE_ZERO = set(
@@ -133,7 +133,15 @@ def _add_run(sub) -> None:
 
 def _bench_module(what: str):
     """The module of `minidist bench what` (allreduce and p2p share one)."""
-    from .bench import batch, collectives, cp, dp, moe, pipeline, sgd, tp, zero
+    from minidist.collectives import bench as collectives
+    from minidist.context_parallel import bench as cp
+    from minidist.data_parallel import bench as dp
+    from minidist.expert_parallel import bench as moe
+    from minidist.large_batches import bench as batch
+    from minidist.pipeline import bench as pipeline
+    from minidist.sgd import bench as sgd
+    from minidist.tensor_parallel import bench as tp
+    from minidist.zero import bench as zero
 
     modules = dict(dp=dp, tp=tp, pipeline=pipeline, zero=zero, sgd=sgd, batch=batch, moe=moe)
     return dict(modules, cp=cp).get(what, collectives)
@@ -141,7 +149,15 @@ def _bench_module(what: str):
 
 def _add_bench(sub) -> None:
     # each benchmark keeps its flags beside it: the parent and every rank parse the same ones
-    from .bench import batch, collectives, cp, dp, moe, pipeline, sgd, tp, zero
+    from minidist.collectives import bench as collectives
+    from minidist.context_parallel import bench as cp
+    from minidist.data_parallel import bench as dp
+    from minidist.expert_parallel import bench as moe
+    from minidist.large_batches import bench as batch
+    from minidist.pipeline import bench as pipeline
+    from minidist.sgd import bench as sgd
+    from minidist.tensor_parallel import bench as tp
+    from minidist.zero import bench as zero
 
     p = sub.add_parser("bench", help="measure: collectives and every technique")
     kinds = p.add_subparsers(dest="what", required=True)
@@ -158,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
-    from .gpt import cli as train_cli  # the main job: imports every technique, so only when asked
+    from minidist.gpt import (
+        cli as train_cli,  # the main job: imports every technique, so only when asked
+    )
 
     train_cli.add_parser(sub)
     add_schedule_command(sub)
-    from . import plan_cli
+    from minidist.cluster import cli as plan_cli
 
     plan_cli.add_parser(sub)
     args = parser.parse_args(argv)

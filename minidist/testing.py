@@ -44,8 +44,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .comm.protocol import OPS, Deadlock, PeerFailed
-from .launch import launch
+from minidist.comm.protocol import OPS, Deadlock, PeerFailed
+from minidist.launch.launcher import launch
 
 PROCESS_BACKENDS = ("mpi", "gloo")
 GRACE = 1.0  # seconds run_threads waits for the other ranks once one has failed
@@ -222,7 +222,7 @@ def _capped(comm_timeout: float) -> float:
 
 def _worker(folder: str) -> None:
     """The body of one rank of run_processes: init, run the job, leave the result."""
-    from .launch import init
+    from minidist.launch.launcher import init
 
     comm = init()
     with open(os.path.join(folder, "job.pkl"), "rb") as f:

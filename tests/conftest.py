@@ -23,7 +23,7 @@ import tempfile
 import pytest
 from hypothesis import Phase, settings
 
-from minidist import processes
+from minidist.launch import processes
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=False)
 settings.register_profile(

@@ -1,5 +1,5 @@
-"""Mixed precision (minidist/amp.py): exact plumbing in float64, documented tolerance in
-bfloat16 / float16, and the overflow skip agreed by every rank.
+"""Mixed precision (minidist/mixed_precision/amp.py): exact plumbing in float64, documented
+tolerance in bfloat16 / float16, and the overflow skip agreed by every rank.
 
 The exact tests run MixedPrecisionOptimizer with every dtype float64: loss scaling by a power of
 two is then exact, so data parallelism + gradient accumulation + loss scaling + a skipped step
@@ -7,7 +7,8 @@ must equal a plain float64 program on the whole batch that skips the same step (
 the sum over rows happens in another order). An overflow is injected on one rank only (its loss
 times inf): every rank must skip that step, back off the scale, and grow it back on schedule.
 The low-precision tests train a small model in float32, bfloat16 and float16 side by side.
-The module comes from impl("amp") inside each rank, so `make lab L=09` grades a learner's file.
+The module comes from impl("mixed_precision.amp") inside each rank, so `make lab L=09` grades a
+learner's file.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from minidist import accumulation
 from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.large_batches import accumulation
 from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads, verdict
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; the sum over rows happens in another order than one process
@@ -86,7 +87,7 @@ def expected_scales(init: float, interval: int, skipped: set[int], steps: int) -
 
 def amp_dp_matches_single_process(comm, case: dict) -> list[int]:
     """DP x accumulation x loss scaling (float64) equals one process on the whole batch."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     p, r, m, b = comm.world_size, comm.rank, case["micro"], case["b"]
     f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
     data = problem(case["d"], p * m * b, case["seed"], case["steps"])
@@ -153,7 +154,7 @@ def test_amp_data_parallel_accumulation_equals_one_process_threads(p, case):
 def two_groups_one_overflow(comm, agree_on_world: bool) -> list[int]:
     """Two dp groups, ranks {0, 1} and {2, 3} (two pipeline stages, say); rank 3's loss
     overflows at step 1. Returns the steps this rank skipped."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
     dp_comm = comm.split(comm.rank // 2)
     model = Net(2, 3, seed=comm.rank // 2)
@@ -181,7 +182,7 @@ def test_overflow_comm_makes_every_group_skip_together():
 
 def agree_on_nonfinite(comm, case: dict) -> bool:
     """Each rank holds its own tensors; one may hold an inf or nan; all must answer alike."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     g = torch.Generator().manual_seed(case["seed"] * 100 + comm.rank)
     tensors = [torch.randn(n, generator=g).to(case["dtype"]) for n in case["sizes"]]
     bad_rank, value = case["bad"]
@@ -216,7 +217,7 @@ def test_every_rank_agrees_on_an_overflow_anywhere(p, case):
 def test_collect_after_each_microbatch_accumulates_like_backward():
     """A schedule that runs backward itself calls collect() after each microbatch: the float32
     buffer then holds what mp.backward would have put there (float64 here: bitwise)."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
     (x, y), grads = problem(3, 4, 5, 1)[0], []
     for way in ("backward", "collect"):
@@ -236,7 +237,7 @@ def test_collect_after_each_microbatch_accumulates_like_backward():
 
 @pytest.mark.pure
 def test_loss_scaler_follows_the_schedule():
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
 
     @settings(max_examples=100, deadline=None)
     @given(st.lists(st.booleans(), max_size=30), st.integers(1, 4), st.integers(0, 20))
@@ -265,7 +266,7 @@ def test_loss_scaler_follows_the_schedule():
 
 def train_small(precision, scaler, seed: int, steps: int = 30) -> tuple[list[float], torch.Tensor]:
     """A 16-32-32-1 MLP, float32 data, AdamW; the per-step losses and the final master weights."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     g = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU())
     model.append(nn.Linear(32, 1))
@@ -294,7 +295,7 @@ def test_bf16_and_fp16_stay_within_the_documented_tolerance_of_fp32(seed):
     8u relative of float32's, the final master weights within 4u (relative, 2-norm). Measured
     over 20 seeds: at most 2.6u and 1.1u. Rounding errors of about u per operation that do
     not grow over 30 steps, with a safety factor of about 3."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     losses32, w32 = train_small(amp.FP32, None, seed)
     runs = {
         "bf16": (amp.BF16, None, 2.0**-8),
@@ -312,7 +313,7 @@ def test_bf16_and_fp16_stay_within_the_documented_tolerance_of_fp32(seed):
 def fp16_data_parallel(comm, reduce: str, device: str = "cpu") -> dict:
     """Real float16 over dp ranks: a scale that overflows at first, backed off until it does
     not; the bytes of the gradient reduction; replicas identical. On `device`."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     counter = Counter()
     reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[reduce]
     precision = amp.Precision(torch.float16, torch.float32, reduce_dtype)
@@ -405,7 +406,7 @@ def test_amp_data_parallel_processes(backend):
 def amp_inside_data_parallel_wrapper(comm, seed: int) -> None:
     """The other composition: cast first, then wrap in DataParallelBucketed (it reduces in the
     compute dtype; reduce_gradients=False here). float64 everywhere: equal to the dp_comm path."""
-    amp, dp = impl("amp"), impl("data_parallel")
+    amp, dp = impl("mixed_precision.amp"), impl("data_parallel.wrappers")
     f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
     models, mps = {}, {}
     for way in ("dp_comm", "wrapper"):

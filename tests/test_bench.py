@@ -111,7 +111,7 @@ def test_uniform_drop_formula_equals_enumerating_every_routing():
     """E E[(X - C)+] / (k n), X ~ Binomial(n, k/E), against all E^n routings of n tokens (k = 1)."""
     import itertools
 
-    from minidist.bench.moe import uniform_drop
+    from minidist.expert_parallel.bench import uniform_drop
 
     n, e = 5, 3
     for cap in range(n + 1):

@@ -1,5 +1,5 @@
-"""Gradient checkpointing (minidist/checkpointing.py): the same gradients as without it, and the
-saved-activation memory the policy predicts.
+"""Gradient checkpointing (minidist/checkpointing/recompute.py): the same gradients as without it,
+and the saved-activation memory the policy predicts.
 
 Gradients: float64, bitwise (the recomputation runs the same ops on the same inputs in the same
 order); with dropout too, since the random state is restored before each recomputation, and
@@ -8,7 +8,7 @@ second, independent reference. Memory: SavedTensorMeter's peak equals predicted_
 b) byte for byte, A and b measured on one block alone. Dropout draws from torch's default
 generator, so these tests run in one thread and set its state inside torch.random.fork_rng
 (restored afterwards; no other thread runs meanwhile). The module comes from
-impl("checkpointing"), so `make lab L=10` grades a learner's file.
+impl("checkpointing.recompute"), so `make lab L=10` grades a learner's file.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_checkpointing_gives_the_same_gradients_bitwise(n, policy, b, d, p, seed
 
 def same_gradients(n: int, policy, b: int, d: int, p: float, seed: int, device: str) -> None:
     """Plain, checkpointed and torch-checkpointed stacks: bitwise the same gradients."""
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     plain = [block.to(device) for block in blocks(n, d, 2 * d, p, seed)]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, d, generator=g, dtype=torch.float64).to(device)  # (b, d)
@@ -149,7 +149,7 @@ def test_checkpointing_on_cuda_restores_the_cuda_generator(policy):
     st.sampled_from([0.0, 0.3]),
 )
 def test_peak_saved_bytes_are_what_the_policy_predicts(n, policy, b, d, f, p):
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     x = torch.randn(b, d, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     model = ck.CheckpointedSequential(blocks(n, d, f, p, seed=n), policy)
     with torch.random.fork_rng():
@@ -169,7 +169,7 @@ def test_peak_saved_bytes_are_what_the_policy_predicts(n, policy, b, d, f, p):
 
 @pytest.mark.pure
 def test_sqrt_policy_grows_like_sqrt_n():
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     a, b = 1000, 100  # bytes: one block's activations, its input
     for n in (4, 16, 64, 256):
         k = ck.segment_size(n, "sqrt")
@@ -181,7 +181,7 @@ def test_sqrt_policy_grows_like_sqrt_n():
 
 @pytest.mark.pure
 def test_segment_plans_tile_the_blocks():
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     assert ck.segments(7, 3) == [(0, 3), (3, 6), (6, 7)]
     assert ck.segments(5, 0) == []
     assert [ck.segment_size(10, p) for p in ("none", "block", "sqrt", 4)] == [0, 1, 4, 4]
@@ -192,7 +192,7 @@ def test_segment_plans_tile_the_blocks():
 @pytest.mark.pure
 def test_a_checkpointed_function_gets_gradients_for_inputs_and_params():
     """checkpoint() on a plain function with explicit params; an input without grad."""
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 3, generator=g, dtype=torch.float64, requires_grad=True)
     x = torch.randn(2, 3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -213,7 +213,7 @@ def test_a_checkpointed_function_gets_gradients_for_inputs_and_params():
 
 def checkpointed_data_parallel(comm, n: int, policy) -> None:
     """DataParallelBucketed around a checkpointed stack equals the plain stack on one process."""
-    ck, dp = impl("checkpointing"), impl("data_parallel")
+    ck, dp = impl("checkpointing.recompute"), impl("data_parallel.wrappers")
     g = torch.Generator().manual_seed(n)
     x = torch.randn(4 * comm.world_size, 3, generator=g, dtype=torch.float64)  # (4p, 3)
     ref = nn.Sequential(*blocks(n, 3, 5, 0.0, seed=1))

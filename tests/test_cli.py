@@ -84,7 +84,7 @@ def test_bad_input_is_refused_before_anything_starts(line, why, capsys, monkeypa
     def started(*args, **kwargs):
         raise AssertionError(f"{line}: ranks were started")
 
-    for module in ("minidist.cli", "minidist.launch"):  # minidist run; start_ranks
+    for module in ("minidist.cli", "minidist.launch.launcher"):  # minidist run; start_ranks
         monkeypatch.setattr(f"{module}.launch", started)
         monkeypatch.setattr(f"{module}.run_threads", started)
     assert cli.main(_argv(line)) == 2
@@ -178,8 +178,8 @@ BENCHES = ["allreduce", "p2p", "dp", "tp", "pipeline", "zero", "sgd", "batch", "
 def test_every_benchmark_refuses_no_ranks_and_too_many_ranks_in_one_line(what, capsys, monkeypatch):
     """-n 0, and more ranks than this machine runs (cli.most_ranks: 256 threads, 4 processes per
     core): one line, exit 2, no rank started; the defaults have no problem."""
-    monkeypatch.setattr("minidist.launch.launch", None)  # a rank started: TypeError
-    monkeypatch.setattr("minidist.launch.run_threads", None)
+    monkeypatch.setattr("minidist.launch.launcher.launch", None)  # a rank started: TypeError
+    monkeypatch.setattr("minidist.launch.launcher.run_threads", None)
     most = cli.most_ranks("mpi")[0]
     cases = [("0", "threads", "-n 0: must be at least 1")]
     cases += [("100000", "threads", "-n 100000: threads runs at most 256 ranks on this machine")]

@@ -1,4 +1,4 @@
-"""The cluster as data (minidist/cluster.py) and the hierarchical all-reduce it prices.
+"""The cluster as data (minidist/cluster/hardware.py) and the hierarchical all-reduce it prices.
 
 Tier 0: the presets are well-formed and their formulas are the documented ones; the model's
 qualitative claims (the hierarchy beats the flat ring across nodes; trees win small messages
@@ -17,9 +17,9 @@ import torch
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from minidist.collectives import ring_all_reduce
+from minidist.collectives.algorithms import ring_all_reduce
+from minidist.collectives.hierarchical import hierarchical_all_reduce, node_comms
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.hierarchical import hierarchical_all_reduce, node_comms
 from minidist.testing import (
     RANK_SETTINGS,
     all_dtypes,
@@ -40,7 +40,7 @@ MiB = 1 << 20
 
 def C():
     """The module under test (make lab L=13 swaps in lessons/13_beyond_one_machine/lab.py)."""
-    return impl("cluster")
+    return impl("cluster.hardware")
 
 
 # ---- tier 0: the data and the formulas ---------------------------------------------------
@@ -159,7 +159,7 @@ def hierarchical_case(comm, subs, g, op, dtype, shape, seed) -> None:
     pairs = {"hierarchical vs ring": (x, flat), "exact": (x, reduce_expected(xs, op))}
     nbytes = x.numel() * x.element_size()
     if x.numel() % p == 0:
-        want = impl("cluster").hierarchical_sent_nbytes(p, g, nbytes)
+        want = impl("cluster.hardware").hierarchical_sent_nbytes(p, g, nbytes)
         pairs["bytes intra, inter"] = (
             torch.tensor([inside.bytes_sent, across.bytes_sent], dtype=torch.float64),
             torch.tensor([want["intra"], want["inter"]], dtype=torch.float64),
@@ -248,7 +248,7 @@ def _bytes_sent(comm, g: int, n_elements: int) -> dict:
 def test_hierarchical_bytes_inside_and_across_nodes(nodes, g):
     p = nodes * g
     n_elements = 12 * p
-    want = impl("cluster").hierarchical_sent_nbytes(p, g, n_elements * 4)
+    want = impl("cluster.hardware").hierarchical_sent_nbytes(p, g, n_elements * 4)
     for r, got in enumerate(run_threads(_bytes_sent, p, g, n_elements)):
         assert got == {**want, "ok": True}, f"rank {r}: {got}, formula {want}"
 

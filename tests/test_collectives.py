@@ -1,11 +1,11 @@
-"""The hand-written collectives (minidist/collectives.py), exactly, on every backend.
+"""The hand-written collectives (minidist/collectives/algorithms.py), exactly, on every backend.
 
 Every rank rebuilds every rank's input from one seed (integer-valued, so any order of additions
 gives the exact result in every dtype), computes the expected result itself with plain torch,
 and the verdict is combined across ranks. Inputs are laid out non-contiguously in half the
 examples, inside a larger buffer whose other elements must come back untouched. The module is
-fetched with impl("collectives") inside each rank, so `make lab L=02` grades a learner's file.
-Tiers: threads (world sizes 1..8, many examples), processes (4 mpi or gloo processes started
+fetched with impl("collectives.algorithms") inside each rank, so `make lab L=02` grades a learner's
+file. Tiers: threads (world sizes 1..8, many examples), processes (4 mpi or gloo processes started
 once per test, fixed cases on 3 and 4 ranks). Byte counts are checked against the formulas in
 the module docstring. all_to_all (uneven counts drawn from the seed) is also compared, byte for
 byte, with the library's own in the process tier: MPI_Alltoallv on mpi; on gloo
@@ -125,7 +125,7 @@ def refuses(call) -> str:
 
 def all_reduce_case(comm, algorithm, op, dtype, shape, seed, strided) -> None:
     """all_reduce(algorithm) of every rank's input, in place, equals the reduction of all."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     xs = [edged(integer_valued(shape, dtype, seed, rank=i), seed, i) for i in range(p)]
     x, base = placed(xs[r], strided)
@@ -144,7 +144,7 @@ def all_reduce_case(comm, algorithm, op, dtype, shape, seed, strided) -> None:
 
 def reduce_scatter_case(comm, op, dtype, shape, seed, strided) -> None:
     """ring_reduce_scatter: rank r gets chunk r (uneven sizes allowed) of the reduction."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     xs = [edged(integer_valued(shape, dtype, seed, rank=i), seed, i) for i in range(p)]
     n = xs[0].numel()
@@ -169,7 +169,7 @@ def reduce_scatter_case(comm, op, dtype, shape, seed, strided) -> None:
 
 def all_gather_case(comm, dtype, shape, seed, strided) -> None:
     """ring_all_gather: everyone gets every rank's chunk in rank order (uneven sizes allowed)."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     full = integer_valued(shape, dtype, seed)  # the gathered result; rank i holds chunk i
     lo, hi = bounds(full.numel(), p, r)
@@ -182,7 +182,7 @@ def all_gather_case(comm, dtype, shape, seed, strided) -> None:
 
 def broadcast_case(comm, dtype, shape, seed, strided) -> None:
     """broadcast from src = seed % p: everyone ends with src's tensor."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     src = seed % p
     x, base = placed(integer_valued(shape, dtype, seed, rank=r), strided)
@@ -202,7 +202,7 @@ def split_counts(p: int, seed: int) -> list[list[int]]:
 def all_to_all_case(comm, dtype, row, seed, strided, known) -> None:
     """all_to_all: rank r gets, in source rank order, the rows each rank sends it; it sends
     8 (p-1) bytes of counts (none when it is told recv_counts) + its rows for other ranks."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     counts = split_counts(p, seed)
     xs = [integer_valued((sum(counts[i]), *row), dtype, seed, rank=i) for i in range(p)]
@@ -274,7 +274,7 @@ def test_all_to_all_threads(p, dtype, row, seed, strided, known):
 
 
 def bad_all_to_all(comm) -> list[str]:
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     messages = []
     for x, counts in [
         (torch.ones(5, 2), [2, 2]),
@@ -299,7 +299,7 @@ def test_all_to_all_refuses_counts_that_do_not_fit_naming_them():
 
 def mirrors_library(comm, n_per_rank: int) -> None:
     """When p divides N, the ring collectives give what comm.reduce_scatter/all_gather give."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     inp = integer_valued((p * n_per_rank,), torch.float32, 7, rank=r)
     ours, lib = torch.empty(n_per_rank), torch.empty(n_per_rank)
@@ -320,7 +320,7 @@ def test_ring_mirrors_library_semantics(p):
 def launched(comm, n_per_rank: int) -> None:
     """Launcher: the library and the ring, started without waiting (two in flight at once),
     give the same sums and gathers (integer-valued: exact); every Work has is_completed."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     inp = integer_valued((p * n_per_rank,), torch.float32, 3, rank=r)  # (p n,)
     got = {}
@@ -343,12 +343,12 @@ def launched(comm, n_per_rank: int) -> None:
 def test_launcher_ring_matches_library(p):
     run_threads(launched, p, 5, **FAST)
     with pytest.raises(ValueError, match="algorithm='tree' is not 'library' or 'ring'"):
-        impl("collectives").Launcher(None, "tree")
+        impl("collectives.algorithms").Launcher(None, "tree")
 
 
 def bad_arguments(comm) -> list[str]:
     """The ValueError message of each bad call (every rank makes the same bad calls)."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     calls = [
         lambda: C.all_reduce(torch.ones(3), comm, "mean"),
         lambda: C.all_reduce(torch.ones(3, dtype=torch.int32), comm, "avg", "ring"),
@@ -384,7 +384,7 @@ def test_bad_arguments_name_the_numbers():
 
 def counted(comm, what: str, n: int) -> dict:
     """Run one collective on a counting comm; this rank's message and byte tallies."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     counter = Counter()
     observed = ObservedComm(comm, counter)
     x = torch.ones(n, dtype=torch.float32)
@@ -407,7 +407,7 @@ def counted(comm, what: str, n: int) -> dict:
 def test_ring_sends_2_p_minus_1_over_p_of_the_bytes_to_the_right_only(p, pieces, monkeypatch):
     n = 12 * p  # divisible by p: 2 (p-1) chunks of 12 float32s
     # reduce-scatter chunks go in `pieces` messages each, all-gather chunks in one
-    monkeypatch.setattr(impl("collectives"), "PIECE_BYTES", 12 * 4 // pieces)
+    monkeypatch.setattr(impl("collectives.algorithms"), "PIECE_BYTES", 12 * 4 // pieces)
     for r, tally in enumerate(run_threads(counted, p, "ring", n)):
         right = (r + 1) % p
         expected = {} if p == 1 else {right: 2 * (p - 1) * n * 4 // p}
@@ -424,7 +424,7 @@ def test_ring_reduce_scatter_sends_p_minus_1_over_p_of_the_bytes_to_the_right_on
 ):
     """The reduce-scatter half alone (lab 02.1): (p-1) chunks of n/p, each in `pieces`."""
     n = 12 * p
-    monkeypatch.setattr(impl("collectives"), "PIECE_BYTES", 12 * 4 // pieces)
+    monkeypatch.setattr(impl("collectives.algorithms"), "PIECE_BYTES", 12 * 4 // pieces)
     for r, tally in enumerate(run_threads(counted, p, "reduce_scatter", n)):
         right = (r + 1) % p
         assert tally["sent_to"] == ({} if p == 1 else {right: (p - 1) * n * 4 // p}), f"rank {r}"
@@ -447,7 +447,7 @@ def test_ring_all_gather_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only(p
 @pytest.mark.parametrize("p", [2, 3, 5])
 def test_ring_in_many_pieces(p, monkeypatch):
     # 12 bytes a piece: 1 to 12 elements per message, chunks not a multiple of a piece
-    monkeypatch.setattr(impl("collectives"), "PIECE_BYTES", 12)
+    monkeypatch.setattr(impl("collectives.algorithms"), "PIECE_BYTES", 12)
     for op, dtype, shape in [
         ("sum", torch.float32, (7, 5)),
         ("avg", torch.float64, (23,)),
@@ -486,7 +486,7 @@ def test_naive_and_broadcast_message_counts(p):
 
 @pytest.mark.threads
 def test_auto_picks_recursive_doubling_below_the_threshold_and_the_ring_above():
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     n_small = C.RING_FROM_BYTES // 4 - 4  # float32 elements just below / at the threshold
     small = run_threads(counted, 4, "auto", n_small)
     large = run_threads(counted, 4, "auto", C.RING_FROM_BYTES // 4)
@@ -536,7 +536,7 @@ def properties_in_ranks(comm, max_examples: int) -> int:
             sub = subs[k]
             # every other case moves the ring's chunks in pieces of 8 bytes: many messages in
             # a row between two ranks must arrive in order on every backend
-            impl("collectives").PIECE_BYTES = 8 if seed % 2 else 1 << 20
+            impl("collectives.algorithms").PIECE_BYTES = 8 if seed % 2 else 1 << 20
             try:
                 for algorithm in ALL_REDUCE:
                     all_reduce_case(sub, algorithm, op, dtype, shape, seed, strided)

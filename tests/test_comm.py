@@ -292,7 +292,7 @@ def user_message_around_a_ring(comm):
     r, p = comm.rank, comm.world_size
     sent = comm.isend(torch.tensor([100.0 + r]), (r + 1) % p)
     x = torch.full((p,), float(r))  # p elements: chunks of one, as large as the message
-    impl("collectives").ring_all_reduce(x, comm)
+    impl("collectives.algorithms").ring_all_reduce(x, comm)
     got = comm.recv(torch.zeros(1), (r - 1) % p)
     sent.wait()
     return x.tolist(), got.item()

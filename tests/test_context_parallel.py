@@ -5,8 +5,8 @@ Recipe: every rank builds q, k, v and the upstream gradient of the whole sequenc
 runs plain causal attention (the (T, T) scores materialized, torch.softmax, autograd; checked
 once against F.scaled_dot_product_attention), cuts this rank's tokens *here* from the layout's
 positions (chunk r; or chunks r and 2cp-1-r), and compares the output and dL/dq, dL/dk, dL/dv
-with check_all. The module comes from impl("context_parallel") inside the rank functions, so
-`make lab L=15` grades a learner's lab.
+with check_all. The module comes from impl("context_parallel.ring_attention") inside the rank
+functions, so `make lab L=15` grades a learner's lab.
 Tolerance: float64, rtol 1e-12 with atol 1e-13: the log-sum-exp merge adds the blocks'
 exponentials in another order than one softmax, and gradients that cancel to near zero keep the
 absolute rounding of their O(1) terms (about 1e-16 each). With q scaled by s = 1000 (exp() of
@@ -65,7 +65,7 @@ def ring_matches(comm, case: dict) -> None:
     """ring_attention vs causal_attention: the output and the gradients of q, k, v, this rank's
     tokens; q, k, v handed over non-contiguous. q x 1000: exp() of a score overflows float64
     unless every exponent is taken relative to a log-sum-exp."""
-    cp_module = impl("context_parallel")
+    cp_module = impl("context_parallel.ring_attention")
     cp, r, layout = comm.world_size, comm.rank, case["layout"]
     chunks = 2 * cp if layout == "zigzag" else cp
     t, dev = case["m"] * chunks, torch.device(case.get("device", "cpu"))
@@ -118,7 +118,7 @@ def test_ring_attention_threads(cp, case):
 def layer_matches(comm, case: dict) -> None:
     """ContextParallelSelfAttention (+ sum_gradients) vs the same projections and attention on
     the whole sequence: the output, dL/dx and every weight's gradient."""
-    cp_module = impl("context_parallel")
+    cp_module = impl("context_parallel.ring_attention")
     cp, r, layout, h = comm.world_size, comm.rank, case["layout"], case["h"]
     t, d = case["m"] * (2 * cp if layout == "zigzag" else cp), h * case["d"]
     layer = cp_module.ContextParallelSelfAttention(d, h, comm, layout, case["seed"], dtype=F64)
@@ -158,7 +158,7 @@ def test_layer_and_its_weight_gradients_threads(cp, case):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 7])
 def test_the_plan_computes_every_causal_pair_once(cp, layout):
     """Over all ranks and steps, each (query chunk, key chunk) with query >= key, exactly once."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     seen = []
     for rank in range(cp):
         mine = cpm.chunks_of(cp, rank, layout)
@@ -174,7 +174,7 @@ def test_the_plan_computes_every_causal_pair_once(cp, layout):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_causal_work_per_rank_matches_the_docstring(cp, m):
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     plain = [cpm.causal_pairs(cp * m, cp, r, "plain") for r in range(cp)]
     assert plain == [r * m * m + m * (m + 1) // 2 for r in range(cp)]
     t = 2 * cp * m
@@ -194,7 +194,7 @@ class FakeComm:  # refusals talk to nobody
 
 @pytest.mark.pure
 def test_bad_input_is_refused_with_the_numbers():
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     c, z = FakeComm(4), torch.zeros(1, 2, 5, 3)
     refused = {
         r"sequence length T=10 is not divisible by cp=4": lambda: cpm.shard_sequence(
@@ -220,7 +220,7 @@ def test_bad_input_is_refused_with_the_numbers():
 
 
 def mixed_layouts(comm) -> None:
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     x = torch.ones(1, 1, 2, 2, dtype=F64)
     cpm.ring_attention(x, x, x, comm, "plain" if comm.rank == 0 else "zigzag")
 
@@ -240,7 +240,7 @@ B, H, D, M = 2, 3, 4, 2  # batch, heads, head dim, tokens per chunk
 
 def measured(comm, layout: str) -> dict:
     """Bytes sent forward and backward, messages' peers, saved bytes and work, on one rank."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     counter, saved, stats = Counter(), {}, {}
     c = ObservedComm(comm, counter)
     n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
@@ -265,7 +265,7 @@ def measured(comm, layout: str) -> dict:
 def test_merge_of_two_key_halves_equals_one_softmax(m):
     """Lab 15.1 alone: each half's attention and log-sum-exp, merged, is the attention to all
     the keys, in either order; a side with no keys yet (lse = -inf) weighs nothing."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     gen = torch.Generator().manual_seed(15 + m)
     q = torch.randn(2, 3, m, 4, generator=gen, dtype=F64)  # (B, H, m, d)
     k, v = (torch.randn(2, 3, 2 * m, 4, generator=gen, dtype=F64) for _ in range(2))
@@ -289,7 +289,7 @@ def test_merge_of_two_key_halves_equals_one_softmax(m):
 def test_block_grads_equal_autograd_on_one_block(diagonal):
     """Lab 15.3 alone: one block's dq, dk, dv from the saved log-sum-exp equal autograd's
     through softmax(q k^T * scale) v (on a diagonal block, the future masked)."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     gen = torch.Generator().manual_seed(153)
     q, k, v, grad_out = (torch.randn(2, 3, 5, 4, generator=gen, dtype=F64) for _ in range(4))
     q, k, v = leaf(q), leaf(k), leaf(v)
@@ -308,7 +308,7 @@ def test_block_grads_equal_autograd_on_one_block(diagonal):
 @pytest.mark.parametrize("layout", ["plain", "zigzag"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_bytes_saved_tensors_and_work_match_the_formulas(cp, layout):
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     for r, got in enumerate(run_threads(measured, cp, layout, **FAST)):
         n, b, nxt = got["n"], 8, (r + 1) % cp
         fwd, bwd = got["forward"], got["backward"]
@@ -335,10 +335,10 @@ def test_saved_activations_fall_as_one_over_cp(cp):
 def in_flight(comm, layout: str) -> dict:
     """Peak bytes of k|v blocks and score-sized tensors alive at once in one forward, the comm's
     own buffers (the threads backend's copies) left out."""
-    from minidist.bench.cp import Unmetered, kind_of
+    from minidist.context_parallel.bench import Unmetered, kind_of
     from minidist.memory import LiveTensorMeter
 
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
     q, k, v = (torch.ones(B, H, n, D, dtype=F64) for _ in range(3))
     with LiveTensorMeter(kind_of((B, H, n, D), M)) as meter:
@@ -353,7 +353,9 @@ def test_peak_memory_in_flight_matches_the_formula(layout):
     op's output as it is made and freed, on every rank, cp = 1..4; inflight_nbytes says so."""
     per_rank = M * (2 if layout == "zigzag" else 1)  # tokens; chunks of M either way
     for cp in (1, 2, 3, 4):
-        want = impl("context_parallel").inflight_nbytes(B, H, cp * per_rank, D, cp, layout, 8)
+        want = impl("context_parallel.ring_attention").inflight_nbytes(
+            B, H, cp * per_rank, D, cp, layout, 8
+        )
         n = B * H * per_rank * D  # elements of this rank's q
         assert want == {"kv": (4 if cp > 1 else 2) * n * 8, "scores": 3 * B * H * M * M * 8}
         for r, peak in enumerate(run_threads(in_flight, cp, layout, **FAST)):
@@ -362,7 +364,7 @@ def test_peak_memory_in_flight_matches_the_formula(layout):
 
 
 def measured_whole(comm, t: int) -> int:
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     n = t // comm.world_size
     q, k, v = (leaf(torch.ones(B, H, n, D, dtype=F64)) for _ in range(3))
     saved = {}
@@ -378,7 +380,7 @@ def measured_whole(comm, t: int) -> int:
 
 
 def layer_all_reduce(comm) -> dict:
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     counter = Counter()
     c = ObservedComm(comm, counter)
     layer = cpm.ContextParallelSelfAttention(H * D, H, c, dtype=F64)
@@ -417,7 +419,9 @@ def properties_in_ranks(comm, max_examples: int) -> int:
     # in flight over real processes too: a backend that holds a buffer past its wait (a
     # reference cycle only gc frees) shows here as a third k|v block
     cp, per_rank = comm.world_size, 2 * M
-    want = impl("context_parallel").inflight_nbytes(B, H, cp * per_rank, D, cp, "zigzag", 8)
+    want = impl("context_parallel.ring_attention").inflight_nbytes(
+        B, H, cp * per_rank, D, cp, "zigzag", 8
+    )
     peak = in_flight(comm, "zigzag")
     got = {key: peak.get(key, 0) for key in want}
     verdict(comm, got == want, f"rank {comm.rank} in flight: {got}, want {want}")

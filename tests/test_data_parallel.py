@@ -67,7 +67,7 @@ def make_optimizer(name, params):
 
 def dp_matches_single_process(comm, case: dict) -> dict:
     """Train the reference and the data-parallel model side by side; check after every step."""
-    dp_mod = impl("data_parallel")
+    dp_mod = impl("data_parallel.wrappers")
     d, h, b, seed = case["d"], case["h"], case["b"], case["seed"]
     p, r = comm.world_size, comm.rank
     steps, accum = case["steps"], case["accum"]
@@ -185,7 +185,7 @@ def test_data_parallel_processes(backend):
 def counted_step(comm, variant: str, algorithm: str, bucket_bytes: int) -> dict:
     counter = Counter()
     c = ObservedComm(comm, counter)
-    dp_mod = impl("data_parallel")
+    dp_mod = impl("data_parallel.wrappers")
     local = Net(3, 4, 0)
     if variant == "naive":
         model = dp_mod.DataParallelNaive(local, c, algorithm)
@@ -230,7 +230,7 @@ def test_one_collective_per_bucket(bucket_bytes):
 
 
 def accumulation_disagrees_then_agrees(comm) -> list[bool]:
-    model = impl("data_parallel").DataParallelBucketed(Net(2, 3, 0), comm, 16)
+    model = impl("data_parallel.wrappers").DataParallelBucketed(Net(2, 3, 0), comm, 16)
     g = torch.Generator().manual_seed(comm.rank)  # different data on each rank
     agree = []
     for micro in range(3):
@@ -277,7 +277,7 @@ def test_buckets_launch_in_bucket_order_once_full():
     """Lab 04.2 alone: four buckets of one parameter each (made here, not by assign_buckets),
     made ready out of order. Bucket 0 holds the others back; once it is full, every full
     bucket after it goes, in order; the end launches what is left, each bucket once."""
-    dp_mod = impl("data_parallel")
+    dp_mod = impl("data_parallel.wrappers")
     buckets = [dp_mod._Bucket([nn.Parameter(torch.zeros(2))]) for _ in range(4)]
     model = types.SimpleNamespace(buckets=buckets, next_launch=0)
     model.launcher = RecordingLauncher(buckets)
@@ -301,7 +301,7 @@ def test_used_gradients_are_averaged_and_unused_ones_stay_none():
     ]
     flat = torch.tensor([4.0, 8.0, 1.0, 2.0, 3.0, 6.0, 3.0, 0.0, 1.0])  # 6 sums, then 3 flags
     views = list(flat[:6].split([2, 3, 1]))
-    impl("data_parallel")._used_and_average(flat, params, views, 4)
+    impl("data_parallel.wrappers")._used_and_average(flat, params, views, 4)
     assert torch.equal(params[0].grad, torch.tensor([[1.0], [2.0]])), params[0].grad
     assert params[1].grad is None, "no rank had a gradient: it stays None"
     assert torch.equal(params[2].grad, torch.tensor(1.5)), params[2].grad
@@ -310,7 +310,7 @@ def test_used_gradients_are_averaged_and_unused_ones_stay_none():
 
 @pytest.mark.pure
 def test_assign_buckets_tiles_in_order():
-    dp_mod = impl("data_parallel")
+    dp_mod = impl("data_parallel.wrappers")
 
     @settings(max_examples=200, deadline=None)
     @given(st.lists(st.integers(0, 50), max_size=12), st.integers(1, 120))
@@ -326,7 +326,7 @@ def test_assign_buckets_tiles_in_order():
 
 @pytest.mark.pure
 def test_uneven_shares_and_bad_settings_are_refused():
-    dp_mod = impl("data_parallel")
+    dp_mod = impl("data_parallel.wrappers")
     comm = type("C", (), {"rank": 0, "world_size": 4})()
     with pytest.raises(ValueError, match="batch=10 is not divisible by the data-parallel size p=4"):
         dp_mod.shard(torch.zeros(10, 3), comm)

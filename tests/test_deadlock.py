@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from minidist import schedules as sch
 from minidist.comm.protocol import Deadlock
 from minidist.comm.threads import ThreadsWorld
+from minidist.pipeline import schedules as sch
 from minidist.testing import impl, run_threads
 
 FAST = dict(timeout=20, comm_timeout=30)  # the detector must fire long before either
@@ -236,7 +236,7 @@ def test_a_program_that_catches_the_deadlock_can_go_on():
 def stages_wait_for_each_other(comm) -> None:
     """Two pipeline stages, stage 0's program asking for microbatch 0's gradient before it
     sends microbatch 0's activation: each stage waits for the other."""
-    pipe = impl("pipeline")
+    pipe = impl("pipeline.stage")
     torch.manual_seed(0)  # both ranks build the same layers; no rank draws during the run
     layers = [nn.Linear(2, 2, dtype=torch.float64) for _ in range(2)]
     stage = pipe.PipelineStage([layers[comm.rank]], comm, nn.functional.mse_loss)

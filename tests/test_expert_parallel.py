@@ -75,7 +75,7 @@ def naive_moe(full, x: torch.Tensor, groups: list[int], cap_factor, k: int, alph
 
 def problem(case: dict, n_groups: int):
     """Every group's tokens and upstream gradient, and the single-process MoE, from one seed."""
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     gen = torch.Generator().manual_seed(case["seed"])
     groups = [case["sizes"][g % len(case["sizes"])] for g in range(n_groups)]
     x = torch.randn(sum(groups), case["d"], generator=gen, dtype=F64) * 2  # (N, D)
@@ -92,7 +92,7 @@ def ep_matches(comm, case: dict, dp: int = 1, mesh: bool = False) -> None:
     """A world of dp x ep ranks (ep ranks adjacent), one group each: ExpertParallelMoE on the ep
     group, sync_grads over ep and dp, equals naive_moe on all groups; bytes as the formula.
     The comms are split here, or (mesh) taken from make_mesh(Layout(dp ep, 1, 1, ep))."""
-    ep_mod = impl("expert_parallel")
+    ep_mod = impl("expert_parallel.moe")
     p_all, r = comm.world_size, comm.rank
     ep = p_all // dp
     n_experts = case["e_local"] * ep
@@ -183,7 +183,7 @@ def test_dp_x_ep_reduces_experts_over_their_replicas_only(dp, ep, mesh):
 
 def drops(comm) -> list[int]:
     """How many assignments each rank drops at a capacity factor of 0.5 (some must)."""
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     layer = ep.ExpertParallelMoE(4, 4, 2 * comm.world_size, comm, 2, 0.5, seed=1)
     x = torch.randn(12, 4, generator=torch.Generator().manual_seed(comm.rank), dtype=F64)
     return layer.router(x).dropped
@@ -193,7 +193,7 @@ def drops(comm) -> list[int]:
 def test_a_small_capacity_drops_assignments_and_the_equality_cases_include_them():
     # 12 tokens x 2 choices into 4 experts of capacity ceil(0.5 * 2 * 12 / 4) = 3: 12 kept
     assert run_threads(drops, 2, **FAST) == [12, 12]
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     assert ep.capacity(1.25, 1, 10, 4) == 4 and ep.capacity(None, 2, 7, 3) == 14
     assert ep.capacity(0.5, 2, 0, 4) == 0
 
@@ -203,7 +203,7 @@ def test_a_small_capacity_drops_assignments_and_the_equality_cases_include_them(
 
 @pytest.mark.pure
 def test_keep_mask_counts_first_choices_before_second_choices():
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     choices = torch.tensor([[0, 1], [1, 0], [0, 1], [0, 2]])  # (4 tokens, k=2)
     keep = ep.keep_mask(choices, 3, 2)
     # expert 0 takes the first choices of tokens 0 and 2; token 3's first choice and token 1's
@@ -214,7 +214,7 @@ def test_keep_mask_counts_first_choices_before_second_choices():
 
 @pytest.mark.pure
 def test_switch_aux_loss_is_alpha_when_balanced_and_alpha_e_when_collapsed():
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     n_experts = 4
     uniform = torch.full((8, n_experts), 1 / n_experts, dtype=F64)
     balanced = torch.full((n_experts,), 2)
@@ -226,7 +226,7 @@ def test_switch_aux_loss_is_alpha_when_balanced_and_alpha_e_when_collapsed():
 
 @pytest.mark.pure
 def test_bad_layouts_are_refused_with_the_numbers():
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
 
     class Three:
         rank, world_size = 0, 3

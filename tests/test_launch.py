@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import minidist
-from minidist.launch import _torch_env, detect_backend, launch
+from minidist.launch.launcher import _torch_env, detect_backend, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from minidist.launch import free_port, mpiexec
+from minidist.launch.launcher import free_port, mpiexec
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` command

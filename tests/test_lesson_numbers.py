@@ -21,8 +21,8 @@ import statistics
 import pytest
 import torch
 
-from minidist import cluster
-from minidist.simulate import simulate
+from minidist.cluster import hardware as cluster
+from minidist.cluster.simulate import simulate
 from minidist.testing import run_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
-"""Large batches: the LR rules and schedule (minidist/lr.py) have their documented shape at every
-step, and gradient accumulation (minidist/accumulation.py) equals one step on the concatenated
-batch.
+"""Large batches: the LR rules and schedule (minidist/large_batches/lr.py) have their documented
+shape at every step, and gradient accumulation (minidist/large_batches/accumulation.py) equals one
+step on the concatenated batch.
 
 The schedule is checked by what defines it, not by a second copy of its formula (that copy
 would be lab 11's answer in the student's tests): the warm-up is the line from start x peak
@@ -10,7 +10,7 @@ torch optimizers (SGD, AdamW) with two param groups of different peak rates. Acc
 compared in float64 at 1e-12 relative (the sum over rows happens in another order); with one
 microbatch it must be bitwise the plain step. Under data parallelism (threads), accumulation
 with DataParallelBucketed's no_sync equals the single process on the whole batch. lr comes from
-impl("lr"), so `make lab L=11` grades a learner's file.
+impl("large_batches.lr"), so `make lab L=11` grades a learner's file.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from minidist import accumulation, amp
+from minidist.large_batches import accumulation
+from minidist.mixed_precision import amp
 from minidist.testing import check_all, impl, run_threads
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; the sum over rows happens in another order
@@ -50,7 +51,7 @@ def close(a: float, b: float, scale: float) -> bool:
 def test_warmup_is_the_line_from_start_to_the_peak(w, extra, start, peak):
     """Lab 11.1: the warm-up steps 0..W-1 climb in equal increments from start x peak (the
     rate of step -1, before any) to the peak on step W-1: a straight line through both."""
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     rates_ = [start * peak] + [lr.lr_at(s, peak, w, w + extra, "linear", start) for s in range(w)]
     rise = rates_[1] - rates_[0]
     for s in range(1, w + 1):
@@ -73,7 +74,7 @@ def test_decay_falls_from_the_peak_to_final_by_its_shape(w, quarters, decay, fin
     shape u = (rate - final x peak) / (peak - final x peak): constant 1; linear in equal steps;
     cosine 1, (2 + sqrt 2) / 4, 1/2, (2 - sqrt 2) / 4, 0 at the quarters and symmetric about
     the middle; final x peak after T."""
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     total = w + 4 * quarters
     rate = [
         lr.lr_at(s, peak, w, total, decay, 0.0, final) if s >= w else None for s in range(total + 3)
@@ -115,7 +116,7 @@ def test_warmup_decay_sets_every_groups_rate_at_every_step(
 ):
     """The scheduler: each param group's rate is lr_at(step, that group's peak) before every
     optimizer step, and a fresh scheduler resumes from a state_dict."""
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     total = w + extra
     model = nn.Linear(2, 2)
     groups = [{"params": [model.weight], "lr": peak}, {"params": [model.bias], "lr": peak / 4}]
@@ -140,7 +141,7 @@ def test_warmup_decay_sets_every_groups_rate_at_every_step(
 
 @pytest.mark.pure
 def test_scaling_rules_and_bad_settings():
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     assert lr.scaled_lr(0.1, 32, 512, "linear") == pytest.approx(1.6)
     assert lr.scaled_lr(0.1, 32, 512, "sqrt") == pytest.approx(0.4)
     assert lr.scaled_lr(0.1, 32, 512, "none") == 0.1
@@ -158,7 +159,7 @@ def test_scaling_rules_and_bad_settings():
 @pytest.mark.pure
 def test_the_schedule_drives_the_mixed_precision_optimizer():
     """Anything with param_groups: here the master-weights wrapper of lesson 09."""
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     model = nn.Linear(3, 1)
     mp = amp.MixedPrecisionOptimizer(model, lambda ps: torch.optim.SGD(ps, lr=0.4), amp.BF16)
     schedule = lr.WarmupDecay(mp, warmup_steps=4, total_steps=8, decay="linear")
@@ -231,7 +232,7 @@ def test_accumulation_equals_one_step_on_the_concatenated_batch(m, b, h, steps, 
 
 def accumulate_data_parallel(comm, m: int, seed: int) -> None:
     """Per rank m microbatches of 2 rows, no_sync until the last: the whole batch's step."""
-    dp = impl("data_parallel")
+    dp = impl("data_parallel.wrappers")
     p, r = comm.world_size, comm.rank
     ((x, y),) = batches(3, 2 * m * p, 1, seed)  # the global batch: 2 m p rows
     ref = Net(3, 4, seed)

@@ -20,7 +20,7 @@ import torch
 
 from minidist.comm import frames, torchdist
 from minidist.comm.protocol import CommError
-from minidist.launch import _torch_env
+from minidist.launch.launcher import _torch_env
 from minidist.testing import impl, run_ranks
 
 BACKENDS = ["threads", "mpi", "gloo"]
@@ -91,7 +91,7 @@ def message_drills(comm) -> dict[str, str]:
     elif comm.rank == 1:
         ok = attempt(lambda: sub.recv(got, 0))
         seen["bulk exact"] = ok if ok != "ok" or torch.equal(got, sent) else f"wrong: {got[:2]}"
-    ring = impl("collectives").ring_all_reduce
+    ring = impl("collectives.algorithms").ring_all_reduce
     sub = pair.split(0)
     if comm.rank < 2:  # the same byte size, another dtype on rank 0; then another length
         x = torch.ones(256, dtype=torch.int32 if comm.rank == 0 else torch.float32)
@@ -118,7 +118,7 @@ def debug_drills(comm) -> dict[str, str]:
     # never received
     checked = impl("comm.checked").CheckedComm(comm.split(0))
     x = torch.arange(3000.0) + comm.rank  # 12 KB: above MPI's eager limit, a rendezvous send
-    impl("collectives").ring_all_reduce(x, checked)
+    impl("collectives.algorithms").ring_all_reduce(x, checked)
     p = comm.world_size
     ring_ok = torch.equal(x, p * torch.arange(3000.0) + sum(range(p)))
     # rank 1 forgets to receive before the barrier (a non-blocking send: Gloo's would wait)
@@ -186,7 +186,7 @@ def different_collectives(comm) -> dict[str, str]:
     messages would fit each other's buffers: each collective's messages carry its own tag, so
     nothing matches and each rank times out (in 2 s) naming its collective and, where the
     backend sees it, the other one."""
-    coll = impl("collectives")
+    coll = impl("collectives.algorithms")
     drills = {
         "ring_all_reduce(sum) / ring_all_gather": (
             lambda c: coll.ring_all_reduce(torch.ones(4), c),

@@ -2,7 +2,7 @@
 
 The model is a list of layers of different widths (so every stage boundary has its own shape):
 Linear + Tanh pairs, one Linear with a frozen bias. The test cuts it into p*v contiguous parts
-itself (random cut points, not minidist.partition's plan), gives part c*p + r to rank r as
+itself (random cut points, not minidist.pipeline.partition's plan), gives part c*p + r to rank r as
 chunk c, and compares on every rank: the per-microbatch losses (last stage), every parameter's
 gradient and, after an optimizer step, every parameter, against the unpartitioned model trained
 on the whole batch with the mean loss. Tolerance: float64, 1e-12 relative (the sum over samples
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minidist.comm.wrappers import ObservedComm, Tracer
-from minidist.schedule_cli import add_schedule_command, draw_timeline
-from minidist.schedules import COMPUTE, bubble_fraction, build_schedules, peak_activations
+from minidist.pipeline.draw import add_schedule_command, draw_timeline
+from minidist.pipeline.schedules import COMPUTE, bubble_fraction, build_schedules, peak_activations
 from minidist.testing import (
     check_all,
     compare,
@@ -107,7 +107,7 @@ def same_tensors(step: int, mine: list[int], layers, ref_layers, grads: bool) ->
 
 def pipeline_matches_single_process(comm, case: dict) -> None:
     """Train the reference and this rank's stage side by side; check after every step."""
-    pipe = impl("pipeline")
+    pipe = impl("pipeline.stage")
     name, m, p, r = case["schedule"], case["m"], comm.world_size, comm.rank
     v = case["v"] if name == "interleaved" else 1
     try:
@@ -188,7 +188,7 @@ def test_pipeline_threads_cuda(p, case):
 
 def timeline_and_memory(comm, name: str, m: int, v: int) -> dict:
     """One traced step: the gathered timeline, and the measured activation memory."""
-    pipe, p, r = impl("pipeline"), comm.world_size, comm.rank
+    pipe, p, r = impl("pipeline.stage"), comm.world_size, comm.rank
     layers = make_layers([3, 4, 5, 4, 3, 4, 2, 3, 2, 4, 3, 2, 1], 0)
     bounds = cut(len(layers), p * v, 0)
     chunks = [nn.Sequential(*layers[slice(*bounds[c * p + r])]) for c in range(v)]
@@ -255,7 +255,7 @@ def test_activation_memory_is_the_schedules_count(name, p, m):
 
 def b_then_w(comm, wrap: bool) -> list[str]:
     """ZB's split on one stage: F then B leave every weight's .grad None; W fills them in."""
-    pipe, sch = impl("pipeline"), impl("schedules")
+    pipe, sch = impl("pipeline.stage"), impl("pipeline.schedules")
     layers, ref = make_layers([3, 4, 2, 2], 0), nn.Sequential(*make_layers([3, 4, 2, 2], 0))
     chunk = Wrapped(layers) if wrap else nn.Sequential(*layers)
     stage = pipe.PipelineStage(chunk, comm, nn.functional.mse_loss)
@@ -281,7 +281,7 @@ def test_zero_bubble_b_leaves_weights_to_w(wrap):
 
 
 def bad_run(comm, what: str) -> None:
-    pipe, p, r = impl("pipeline"), comm.world_size, comm.rank
+    pipe, p, r = impl("pipeline.stage"), comm.world_size, comm.rank
     layers = make_layers([2, 3, 2], 0)
     chunks = [nn.Sequential(layers[r])] * (2 if what == "chunks" else 1)
     stage = pipe.PipelineStage(chunks, comm, nn.functional.mse_loss)
@@ -314,7 +314,7 @@ def test_fewer_microbatches_than_stages():
     refuses before any message, naming the numbers."""
     with pytest.raises(ValueError, match="n_microbatches=2 is not a multiple of n_stages=4"):
         build_schedules("interleaved", 4, 2, 2)
-    pipe = impl("pipeline")
+    pipe = impl("pipeline.stage")
     with pytest.raises(ValueError, match="batch=10 does not split into n_microbatches=4"):
         pipe.split_microbatches(torch.zeros(10, 3), 4)
     assert [t.shape[0] for t in pipe.split_microbatches(torch.zeros(12, 3), 4)] == [3] * 4
@@ -334,7 +334,7 @@ def test_lesson_grids_are_the_commands_output():
     assert len(blocks) >= 4, "the README lost its schedule grids"
     for argv, shown in blocks:
         parser = argparse.ArgumentParser(prog="minidist")
-        add_schedule_command(parser.add_subparsers(dest="command"), impl("schedules"))
+        add_schedule_command(parser.add_subparsers(dest="command"), impl("pipeline.schedules"))
         args = parser.parse_args(["schedule", *argv.split()])
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -357,7 +357,7 @@ def brute_force_best(costs: list[int], k: int) -> int:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 20), min_size=1, max_size=9), st.data())
 def test_balance_is_contiguous_and_optimal(costs, data):
-    part = impl("partition")
+    part = impl("pipeline.partition")
     k = data.draw(st.integers(1, len(costs)))
     bounds = part.balance(costs, k)
     assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == len(costs)
@@ -368,7 +368,7 @@ def test_balance_is_contiguous_and_optimal(costs, data):
 
 @pytest.mark.pure
 def test_partition_plan_by_parameters():
-    part = impl("partition")
+    part = impl("pipeline.partition")
     layers = make_layers([4, 8, 8, 2, 2], 0)  # Linear 40, Tanh, Linear 72, Tanh, 18, -, 6, -
     counts = part.param_counts(layers)
     assert counts == [40, 0, 72, 0, 18, 0, 6, 0]
@@ -387,7 +387,7 @@ def test_partition_plan_by_parameters():
 
 @pytest.mark.pure
 def test_partition_refuses_impossible_plans():
-    part = impl("partition")
+    part = impl("pipeline.partition")
     with pytest.raises(ValueError, match="3 layers cannot fill 4 parts"):
         part.balance([1, 2, 3], 4)
     with pytest.raises(ValueError, match="non-negative"):

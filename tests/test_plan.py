@@ -1,4 +1,4 @@
-"""The planner (minidist/plan.py, `minidist plan`): its formulas, its search, its command.
+"""The planner (minidist/cluster/plan.py, `minidist plan`): its formulas, its search, its command.
 
 Tier 0 checks each formula as its docstring states it, and the one place where the plan and
 minidist's code describe the same thing: the tensor-parallel bytes per layer, counted on a real
@@ -16,9 +16,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minidist import calibrate, cluster, plan, plan_cli, plan_search
+from minidist.cluster import calibrate, plan
+from minidist.cluster import cli as plan_cli
+from minidist.cluster import hardware as cluster
+from minidist.cluster import search as plan_search
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.tensor_parallel_blocks import ParallelTransformerBlock
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 from minidist.testing import run_threads
 
 A100 = cluster.preset("dgx-a100")

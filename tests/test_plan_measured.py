@@ -1,4 +1,4 @@
-"""The planner (plan.py) against minidist's own main job: bytes per dimension and memory.
+"""The planner (cluster/plan.py) against minidist's own main job: bytes per dimension and memory.
 
 The toy GPT of test_plan_simulated.py trains one step on threads, each sub-comm counted
 (ObservedComm, as `minidist train` counts it) and its memory measured as `minidist train`
@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pytest
 
-from minidist import plan
+from minidist.cluster import plan
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.train import TrainConfig, build_job, train_step
@@ -97,6 +97,6 @@ def test_plan_bytes_and_memory_are_the_main_jobs(dp, pp, tp, zero):
         memory = plan.memory_bytes(SHAPE, x, config.batch, flash=False, e=4)
         planned, measured = sum(memory.values()), got["state"] + got["activations"]
         if zero == 3:  # the meter counts ZeRO-3's gathered weights that autograd saves at their
-            # size when saved, though zero3.py frees them after use (resize_(0)): state only
+            # size when saved, though zero/gatherer.py frees them after use (resize_(0)): state only
             planned, measured = memory["model state"], got["state"]
         assert abs(planned / measured - 1) <= 0.10, (memory, got)

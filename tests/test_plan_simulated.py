@@ -1,4 +1,4 @@
-"""The planner (plan.step) against the simulated cluster (simulate.py) on the toy 3D job.
+"""The planner (plan.step) against the simulated cluster (cluster/simulate.py) on the toy 3D job.
 
 The same shape, layout and cluster: plan.step's formulas on one side, minidist's own training
 step (gpt/train.py) run on simulated ranks on the other, timed message by message and FLOP by
@@ -17,10 +17,11 @@ from dataclasses import replace
 
 import pytest
 
-from minidist import cluster, plan
+from minidist.cluster import hardware as cluster
+from minidist.cluster import plan
+from minidist.cluster.simulate import simulate
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.train import TrainConfig, build_job, train_step
-from minidist.simulate import simulate
 
 H100 = cluster.preset("dgx-h100")
 SLOW = replace(
@@ -59,7 +60,7 @@ def planned_step(config: TrainConfig, psi: int) -> float:
     x = plan.Layout(config.dp, config.pp, config.tp, config.chunks, config.zero, b, scatter=False)
     # minidist's main job syncs gradients after the whole pipeline step: no overlap; but ZeRO-3
     # gathers the next unit's parameters while this one computes, and reduce-scatters while the
-    # next backward runs (zero3.py): as much overlap as there is compute
+    # next backward runs (zero/gatherer.py): as much overlap as there is compute
     eff = plan.Efficiency(compute=0.5, network=1.0, overlap=1.0 if config.zero == 3 else 0.0)
     # psi: the rank's own count; Shape.params() leaves out biases, norms and positions (7% of
     # this toy's stage at tp 2, which the dp all-reduce of 16 ranks across two nodes shows)

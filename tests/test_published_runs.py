@@ -21,7 +21,9 @@ from dataclasses import replace
 
 import pytest
 
-from minidist import cluster, plan, plan_search
+from minidist.cluster import hardware as cluster
+from minidist.cluster import plan
+from minidist.cluster import search as plan_search
 
 try:
     from . import published_runs as published

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data (minidist.schedules): invariants, simulated bubble, peak memory.
+"""Pipeline schedules as data (minidist.pipeline.schedules): invariants, simulated bubble, peak
+memory.
 
 Tier 0 (pure): no communicator. Cost model, as in the papers' figures: every stage takes t_f per
 forward and t_b per backward (default t_b = 2 t_f); split backward (ZB-H1): t_B = t_b - t_W and
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist.schedule_cli import add_schedule_command, draw_timeline
+from minidist.pipeline.draw import add_schedule_command, draw_timeline
 from minidist.testing import impl
 
 pytestmark = pytest.mark.pure
@@ -46,14 +47,14 @@ def close(a: float, b: float) -> bool:
 @given(st.sampled_from(["gpipe", "1f1b", "zb"]), stages, microbatches)
 def test_invariants_hold_and_nothing_deadlocks(name, p, m):
     """Every forward before its backward, sends matched, and no deadlock under rendezvous."""
-    check_invariants(impl("schedules"), name, p, m, 1)
+    check_invariants(impl("pipeline.schedules"), name, p, m, 1)
 
 
 @few
 @given(stages, microbatches, chunks)
 def test_interleaved_invariants_hold_and_nothing_deadlocks(p, m, v):
     """The same for the interleaved schedule (lab 06.2: which op comes k-th)."""
-    check_invariants(impl("schedules"), "interleaved", p, m, v)
+    check_invariants(impl("pipeline.schedules"), "interleaved", p, m, v)
 
 
 def check_invariants(sch, name: str, p: int, m: int, v: int) -> None:
@@ -78,7 +79,7 @@ def check_invariants(sch, name: str, p: int, m: int, v: int) -> None:
 )
 def test_bubble_gpipe_1f1b(name, p, m, cost_f, cost_b):
     """(p-1)/(m+p-1) for any t_f, t_b as long as all stages are equal; blocking send/recv."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     placed = sch.place_comm(programs(sch, name, p, m, place=False), cost_f, cost_b)
     bubble = sch.bubble_fraction(sch.simulate(placed, cost_f, cost_b))
     assert close(bubble, (p - 1) / (m + p - 1)), (name, p, m, cost_f, cost_b, bubble)
@@ -94,7 +95,7 @@ def test_bubble_interleaved(p, groups, v):
     the activation wrapping from the last stage to the first finds no moment when both are
     free, someone waits, and the bubble is larger.
     """
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     m = groups * p  # Megatron's requirement: m a multiple of p
     formula = (p - 1) / (v * m + p - 1)
     eager = sch.simulate(programs(sch, "interleaved", p, m, v, place=False), rendezvous=False)
@@ -111,7 +112,7 @@ def test_bubble_interleaved(p, groups, v):
 def test_bubble_zb_h1(p, m):
     """ZB-H1 with t_F = t_B = t_W: (p-1)/(3m+p-1), the paper's (p-1)(t_F+t_B-t_W) / (3m t_F)
     bubble over ideal, for m >= p; with m < p less than 1F1B's (p-1)/(m+p-1), more than that."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     bubble = sch.bubble_fraction(sch.simulate(programs(sch, "zb", p, m), 1, 2, 1))
     zb, one_f_one_b = (p - 1) / (3 * m + p - 1), (p - 1) / (m + p - 1)
     if m >= p:
@@ -125,7 +126,7 @@ def test_bubble_zb_h1(p, m):
 def test_peak_activations(p, m):
     """GPipe m; 1F1B and ZB-H1 min(p - s, m) (ZB-H1: min(p, m) on every stage counted until the
     W)."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     peak = sch.peak_activations
     assert [peak(ops) for ops in programs(sch, "gpipe", p, m)] == [m] * p
     expected = [min(p - s, m) for s in range(p)]
@@ -139,7 +140,7 @@ def test_peak_activations(p, m):
 @given(stages, microbatches, chunks)
 def test_peak_activations_interleaved(p, m, v):
     """Interleaved: min(v*m, (v-1)*p + 2*(p-s-1) + 1) chunk-microbatches."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     peak = sch.peak_activations
     groups = 1 + m % 4  # interleaved needs groups of p microbatches; keep the run short
     interleaved = programs(sch, "interleaved", p, groups * p, v)
@@ -150,7 +151,7 @@ def test_peak_activations_interleaved(p, m, v):
 
 def test_fewer_microbatches_than_stages():
     """m < p: GPipe, 1F1B and ZB-H1 run (all warmup); interleaved refuses, naming the numbers."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     for name in ("gpipe", "1f1b", "zb"):
         timeline = sch.simulate(programs(sch, name, 8, 3))
         assert all(len(ops) > 0 for ops in timeline)
@@ -161,7 +162,7 @@ def test_fewer_microbatches_than_stages():
 def test_naive_comm_deadlocks_and_says_where():
     """1F1B with each send right after its compute: both stages send first and wait forever.
     The simulator names them; place_comm's order runs."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     naive = programs(sch, "1f1b", 2, 2, place=False)
     with pytest.raises(sch.Deadlock, match=r"stage 0 in .*send_act.*stage 1 in .*send_grad"):
         sch.simulate(naive)
@@ -169,7 +170,7 @@ def test_naive_comm_deadlocks_and_says_where():
 
 
 def test_checks_find_broken_schedules():
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     good = programs(sch, "1f1b", 2, 2)
     swapped = [list(ops) for ops in good]
     f, b = swapped[1].index(sch.Op("forward", 0)), swapped[1].index(sch.Op("backward", 0))
@@ -183,7 +184,7 @@ def test_checks_find_broken_schedules():
 
 def test_text_grid_1f1b():
     """p=2, m=2, t_b = 2 t_f: the bubble is (p-1)/(m+p-1) = 1/3 and visible in the grid."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     timeline = sch.simulate(programs(sch, "1f1b", 2, 2))
     assert sch.text_grid(timeline) == (
         "stage 0 | F0 F1  .  . B0 B0  . B1 B1\nstage 1 |  . F0 B0 B0 F1 B1 B1  .  ."
@@ -192,7 +193,7 @@ def test_text_grid_1f1b():
 
 
 def test_draw_timeline_simulated_and_measured(tmp_path):
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     timeline = sch.simulate(programs(sch, "interleaved", 2, 4, 2))
     measured = [(0, 0.0, 1.5, "F0"), (1, 1.5, 2.0, "F0"), (1, 2.0, 3.0, "B0"), (0, 3.0, 4.5, "B0")]
     for data, name in ((timeline, "simulated.png"), (measured, "measured.png")):
@@ -202,7 +203,7 @@ def test_draw_timeline_simulated_and_measured(tmp_path):
 
 
 def run_command(*argv: str) -> tuple[int, str, str]:
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     parser = argparse.ArgumentParser(prog="minidist")
     add_schedule_command(parser.add_subparsers(dest="command", required=True), sch)
     args = parser.parse_args(["schedule", *argv])

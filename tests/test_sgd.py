@@ -133,7 +133,7 @@ def local_reference(x, y, w0, batch: int, steps: int, lr: float, k: int) -> torc
 
 def ps_run(comm, case: dict) -> dict:
     """One rank of a parameter-server run; plain data (it travels back from processes)."""
-    ps = impl("parameter_server")
+    ps = impl("sgd.parameter_server")
     n_servers = case["servers"]
     n_workers = comm.world_size - n_servers
     x, y, w0 = data(case, n_workers)
@@ -283,7 +283,7 @@ def ps_cases(draw, max_world: int) -> dict:
 @given(ps_cases(6))
 def test_parameter_server_threads(case):
     """What was applied (lab 08.2): the log replays, counts and equals SGD."""
-    impl("parameter_server")  # load it before the threads do: impl's first load is not atomic
+    impl("sgd.parameter_server")  # load it before the threads do: impl's first load is not atomic
     world = case["servers"] + len(case["steps"])
     check_ps(case, run_threads(ps_run, world, case, timeout=30), what=("log",))
 
@@ -294,7 +294,7 @@ def test_parameter_server_threads(case):
 def test_parameter_server_keeps_the_staleness_bound_threads(case):
     """When workers were let run (lab 08.1): never more than s requests ahead of the slowest;
     with s = 0, every step computed on all gradients of the steps before it."""
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     world = case["servers"] + len(case["steps"])
     check_ps(case, run_threads(ps_run, world, case, timeout=30), what=("bound",))
 
@@ -307,7 +307,7 @@ CRASH |= {"jitter": 1e-3, "crash_worker": 1, "crash_at": 2, "timeout": 1.0}
 @pytest.mark.parametrize("staleness", [0, None])
 @pytest.mark.parametrize("how", ["silent", "mid-push"])
 def test_a_dead_worker_is_dropped_and_the_rest_finish(how, staleness):
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     case = dict(CRASH, how=how, staleness=staleness)
     results = run_threads(ps_run, 4, case, timeout=20)
     check_ps(case, results)
@@ -322,7 +322,7 @@ def test_a_dead_worker_is_dropped_and_the_rest_finish(how, staleness):
 
 @pytest.mark.threads
 def test_a_dead_worker_stops_the_server_when_told_to():
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     case = dict(CRASH, how="silent", staleness=None, on_lost="raise")
     with pytest.raises(AssertionError) as failed:
         run_threads(ps_run, 4, case, timeout=20)
@@ -332,7 +332,7 @@ def test_a_dead_worker_stops_the_server_when_told_to():
 
 
 def pushes_twice(comm) -> None:
-    ps = impl("parameter_server")
+    ps = impl("sgd.parameter_server")
     if comm.rank == 0:
         ps.serve(
             comm, torch.zeros(2, dtype=torch.float64), 0.1, worker_timeout=5.0, on_lost="raise"
@@ -352,7 +352,7 @@ def pushes_twice(comm) -> None:
 
 @pytest.mark.threads
 def test_a_gradient_pushed_twice_is_refused():
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     why = r"worker 0 \(rank 1\) lost after 1 gradients: BadRequest: pushed gradient #0, expected #1"
     with pytest.raises(AssertionError, match=why):
         run_threads(pushes_twice, 2, timeout=20)
@@ -370,7 +370,7 @@ BAD = {  # what a misbehaving worker does -> why the server drops it (and it alo
 def misbehaving_workers(comm, how: list[str]):
     """Rank 0 serves 3 float64 parameters; rank 1 pushes 4 gradients of ones; rank 2 + k
     misbehaves as how[k]. Rank 0 returns the server's log; a dropped worker, what it saw."""
-    ps, n, f64 = impl("parameter_server"), 3, torch.float64
+    ps, n, f64 = impl("sgd.parameter_server"), 3, torch.float64
     if comm.rank == 0:
         log = ps.serve(comm, torch.zeros(n, dtype=f64), 0.1, worker_timeout=30.0)
         return {"lost": log.lost, "left": log.left, "params": log.params}
@@ -412,7 +412,7 @@ def check_misbehaving(how: list[str], results: list) -> None:
 
 @pytest.mark.threads
 def test_a_bad_request_drops_its_worker_alone():
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     how = list(BAD)
     # a refused gradient is never received: left behind on purpose (as over MPI)
     results = run_threads(misbehaving_workers, 2 + len(how), how, timeout=30, allow_unreceived=True)
@@ -435,7 +435,7 @@ def test_a_bad_request_drops_its_worker_alone_over_mpi():
 
 
 def sgd_run(comm, case: dict) -> torch.Tensor:
-    sgd = impl("sgd")
+    sgd = impl("sgd.variants")
     x, y, w0 = data(case, comm.world_size)
     w = w0 + comm.rank  # ranks start out of sync on purpose: rank 0's parameters must win
     grad = gradient(x, y, comm.rank, case["batch"])
@@ -479,7 +479,7 @@ sgd_cases = st.fixed_dictionaries(
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), sgd_cases)
 def test_sync_and_local_sgd_threads(p, case):
-    impl("sgd")
+    impl("sgd.variants")
     check_sgd(case, run_threads(sgd_run, p, case, timeout=30))
 
 
@@ -501,7 +501,7 @@ def converge_problem(world: int):
 
 def converge_run(comm, straggler: str) -> list[torch.Tensor]:
     """Every variant, W = p - 1 workers, one of them a straggler; each rank's final w."""
-    sgd = impl("sgd")
+    sgd = impl("sgd.variants")
     x, w_star = converge_problem(comm.world_size)
     problem = sgd.LeastSquares(x, x @ w_star, w_star, CONVERGE["batch"])
     out = []
@@ -530,7 +530,7 @@ def check_converged(results: list[list], world: int) -> None:
 
 @pytest.mark.threads
 def test_every_variant_converges_to_the_optimum():
-    impl("sgd")
+    impl("sgd.variants")
     check_converged(run_threads(converge_run, 4, "fixed", timeout=30), 4)
 
 
@@ -613,7 +613,7 @@ def test_sgd_processes(backend):
 
 @pytest.mark.pure
 def test_shards_tile_the_parameters_as_documented():
-    ps = impl("parameter_server")
+    ps = impl("sgd.parameter_server")
     for n in range(1, 12):
         for n_servers in range(1, n + 1):
             got = [ps.shard_range(n, n_servers, s) for s in range(n_servers)]
@@ -624,7 +624,7 @@ def test_shards_tile_the_parameters_as_documented():
 
 @pytest.mark.pure
 def test_bad_settings_are_refused_with_the_numbers():
-    ps, sgd = impl("parameter_server"), impl("sgd")
+    ps, sgd = impl("sgd.parameter_server"), impl("sgd.variants")
     with pytest.raises(ValueError, match="n=3 parameters cannot be split over n_servers=4"):
         ps.shard_range(3, 4, 0)
     with pytest.raises(ValueError, match="k=0: local SGD averages every k >= 1 steps"):

@@ -1,10 +1,10 @@
-"""The simulated cluster (minidist/simulate.py): real code, simulated time.
+"""The simulated cluster (minidist/cluster/simulate.py): real code, simulated time.
 
 What it must do: (1) leave every number the code computes bitwise as on the threads backend;
 (2) give the same clocks on every run; (3) price a message, a collective and a FLOP as
-cluster.py's formulas say: the hand-written ring and the hierarchical all-reduce within 1e-9
-of their formulas where one bound of the ring's formula dominates, 1% where the two meet; (4) run
-minidist's techniques unchanged: a data-parallel step, tensor-parallel blocks, the 3D job.
+cluster/hardware.py's formulas say: the hand-written ring and the hierarchical all-reduce within
+1e-9 of their formulas where one bound of the ring's formula dominates, 1% where the two meet; (4)
+run minidist's techniques unchanged: a data-parallel step, tensor-parallel blocks, the 3D job.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minidist import cluster
-from minidist.collectives import ring_all_reduce
-from minidist.data_parallel import DataParallelBucketed
+from minidist.cluster import hardware as cluster
+from minidist.cluster.simulate import simulate
+from minidist.collectives.algorithms import ring_all_reduce
+from minidist.collectives.hierarchical import hierarchical_all_reduce, node_comms
+from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.train import TrainConfig, train
-from minidist.hierarchical import hierarchical_all_reduce, node_comms
-from minidist.simulate import simulate
-from minidist.tensor_parallel_blocks import ParallelTransformerBlock
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 from minidist.testing import impl, run_threads
 
 H100, PCIE = cluster.preset("dgx-h100"), cluster.preset("pcie-a100")
@@ -55,7 +55,7 @@ def test_numbers_unchanged_and_clocks_deterministic():
 def test_ring_all_reduce_time_is_the_formula(preset, p, n):
     n = n * p  # float64 elements, divisible by p: equal chunks
     got = simulate(ring, preset, p, n).time
-    want = impl("cluster").ring_all_reduce_seconds(preset, p, n * 8)
+    want = impl("cluster.hardware").ring_all_reduce_seconds(preset, p, n * 8)
     # nodes of 8: one bound dominates and the formula is the events; nodes of 2 alternate fast
     # and slow hops, and neither bound is tight: the formula was measured up to 3.4% short
     rel = 0.05 if preset is PAIRS else 1e-9
@@ -66,7 +66,7 @@ def test_ring_all_reduce_time_is_the_formula(preset, p, n):
 def test_hierarchical_all_reduce_time_and_traffic_are_the_formulas(p):
     n = 4096 * p
     report = simulate(hierarchical, H100, p, n, 8)
-    formula = impl("cluster").hierarchical_all_reduce_seconds(H100, p, n * 8)
+    formula = impl("cluster.hardware").hierarchical_all_reduce_seconds(H100, p, n * 8)
     assert report.time == pytest.approx(formula, rel=1e-9)
     want = cluster.hierarchical_sent_nbytes(p, 8, n * 8)
     assert report.traffic == [want] * p, (report.traffic[0], want)
@@ -80,7 +80,7 @@ def test_on_8_nodes_the_hierarchy_beats_the_flat_ring():
     # at 2 MiB latency still matters (14 network hops each); at 1 GiB the formulas give 4.75x
     assert flat.time > 1.5 * hier.time, (flat.time, hier.time)
     # here the chain and the stream bound are close, and their max is 0.5% short of the events
-    formula = impl("cluster").ring_all_reduce_seconds(H100, 64, n * 8)
+    formula = impl("cluster.hardware").ring_all_reduce_seconds(H100, 64, n * 8)
     assert flat.time == pytest.approx(formula, rel=0.01)
     # the flat ring's ranks at a node's edge send everything over the network
     assert flat.traffic[7]["inter"] == 2 * 63 * n * 8 // 64 and flat.traffic[6]["inter"] == 0

@@ -1,6 +1,6 @@
 """What `minidist run` leaves to its caller: the standard input it did not read, and no folder.
 
-Standard input goes to rank 0 alone and nothing reads ahead of it (processes.py): inside a
+Standard input goes to rank 0 alone and nothing reads ahead of it (launch/processes.py): inside a
 shell `while read` loop the job takes no line but the one rank 0 reads. The launcher's folder
 goes however the launcher ends: a launcher killed by SIGKILL leaves it to the next launch,
 which removes every folder whose launcher's lock is free. (The suite as a whole leaves nothing
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from minidist import processes
-from minidist.watchdog import _alive  # the launcher's own test of a pid
+from minidist.launch import processes
+from minidist.launch.watchdog import _alive  # the launcher's own test of a pid
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -6,7 +6,7 @@ F.scaled_dot_product_attention, independently of the module's own attention; nn.
 F.cross_entropy), slices what this rank must hold *here, in the test*, and compares outputs,
 input gradients and every parameter and gradient slice with check_all. Shapes are odd multiples
 of tp (e.g. 13*tp x 17*tp, batch 7). The modules come from impl(...) inside the rank functions,
-so `make lab L=05` grades a learner's tensor_parallel.py.
+so `make lab L=05` grades a learner's tensor_parallel/layers.py.
 Tolerance: float64, rtol 1e-12 with atol 1e-13: the all-reduce adds the partial products in
 another order than one matmul, and elements that cancel to near zero keep the absolute rounding
 error of their O(1) terms (about 1e-16 per term). Cross-entropy with logits scaled by 1000:
@@ -69,7 +69,7 @@ def leaf(t):
 
 def linear_matches(comm, case: dict) -> None:
     """Column- or row-parallel linear (every option) vs nn.Linear: y, dL/dx, W and b and grads."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     p, r, kind, sp = comm.world_size, comm.rank, case["kind"], case["sp"]
     gen = torch.Generator().manual_seed(case["seed"])
     i, o, b, t = case["i"] * p, case["o"] * p, case["b"], case["t"] * p
@@ -150,7 +150,7 @@ def test_column_parallel_linear_threads(p, case):
 
 def seeded_linear(comm, seed: int) -> None:
     """Built from a seed, a layer holds its slice of the documented master weight."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     p, r = comm.world_size, comm.rank
     gen = torch.Generator().manual_seed(seed)
     w = torch.empty(6 * p, 4 * p, dtype=F64).uniform_(-0.5 / p**0.5, 0.5 / p**0.5, generator=gen)
@@ -178,7 +178,7 @@ def test_seeded_layers_hold_slices_of_the_master_weight(p):
 
 def world_of_one_is_plain_torch(comm) -> None:
     """tp = 1: ColumnParallelLinear runs exactly nn.Linear's op, so bitwise equal."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     gen = torch.Generator().manual_seed(3)
     lin = full_linear(5, 7, True, gen)
     x = randn(gen, 4, 5)
@@ -195,7 +195,7 @@ def test_world_size_1_column_is_bitwise_nn_linear():
 
 def operators_match(comm, shape: tuple, dim: int, seed: int) -> None:
     """f, g, scatter, gather, reduce-scatter: values and gradients from every rank's data."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     p, r = comm.world_size, comm.rank
     shape = [n * p if d == dim % 3 else n for d, n in enumerate(shape)]
     big = [n * p if d == dim % 3 else n for d, n in enumerate(shape)]
@@ -324,7 +324,7 @@ def build_parallel(blocks, full, comm, case: dict, dtype):
 
 def block_matches(comm, case: dict, dtype=F64, rtol=RTOL, atol=ATOL) -> None:
     """A parallel MLP, attention or block (sequence-parallel or not) vs the reference maths."""
-    blocks = impl("tensor_parallel_blocks")
+    blocks = impl("tensor_parallel.blocks")
     p, r, sp = comm.world_size, comm.rank, case["sp"]
     h, hd, d_ff, t = case["heads"] * p, case["hd"], case["ff"] * p, case["t"] * p
     d = h * hd
@@ -402,7 +402,7 @@ def test_float32_block(p, sp):
 
 def vocab_matches(comm, case: dict) -> None:
     """VocabParallelEmbedding vs nn.Embedding; vocab_parallel_cross_entropy vs F.cross_entropy."""
-    tp, blocks = impl("tensor_parallel"), impl("tensor_parallel_blocks")
+    tp, blocks = impl("tensor_parallel.layers"), impl("tensor_parallel.blocks")
     p, r, sp = comm.world_size, comm.rank, case["sp"]
     gen = torch.Generator().manual_seed(case["seed"])
     v, d, b, t = case["v"] * p, case["d"], case["b"], case["t"] * p
@@ -461,7 +461,7 @@ B, T, D, H, FF = 2, 4, 8, 4, 8  # T, H and FF divisible by the tp sizes counted 
 
 def counted(comm, part: str, sp: bool) -> dict:
     """{"forward": Counter.summary(), "backward": ...} for one part on an ObservedComm."""
-    tp, blocks = impl("tensor_parallel"), impl("tensor_parallel_blocks")
+    tp, blocks = impl("tensor_parallel.layers"), impl("tensor_parallel.blocks")
     counter = Counter()
     c = ObservedComm(comm, counter)
     p = comm.world_size
@@ -561,7 +561,7 @@ def test_collectives_and_bytes_per_layer_match_the_docstrings(p):
 
 def measured_activations(comm, sp: bool) -> tuple[int, int]:
     """(bytes saved for backward by a block's forward, the module's formula in bytes)."""
-    blocks = impl("tensor_parallel_blocks")
+    blocks = impl("tensor_parallel.blocks")
     p = comm.world_size
     block = blocks.ParallelTransformerBlock(D, H, FF, comm, sequence_parallel=sp, dtype=F64)
     x = leaf(torch.ones(B, T // p if sp else T, D, dtype=F64))
@@ -591,7 +591,7 @@ class FakeComm:  # construction and shard checks talk to nobody
 
 @pytest.mark.pure
 def test_indivisible_sizes_are_refused_with_the_numbers():
-    tp, blocks = impl("tensor_parallel"), impl("tensor_parallel_blocks")
+    tp, blocks = impl("tensor_parallel.layers"), impl("tensor_parallel.blocks")
     c = FakeComm(4)
     refused = {
         "out_features=10 is not divisible by tp=4": lambda: tp.ColumnParallelLinear(3, 10, c),
@@ -619,7 +619,7 @@ def test_indivisible_sizes_are_refused_with_the_numbers():
 
 @pytest.mark.pure
 def test_master_linear_draws_as_documented():
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     w, b = tp.master_linear(4, 3, seed=5, dtype=F64)
     gen = torch.Generator().manual_seed(5)
     assert torch.equal(w, torch.empty(3, 4, dtype=F64).uniform_(-0.5, 0.5, generator=gen))
@@ -665,7 +665,7 @@ def test_tensor_parallel_processes(backend):
 
 def cuda_block(comm, sp: bool) -> None:
     """A sequence-parallel (or not) block and the vocabulary-parallel loss on cuda:0."""
-    blocks, tp = impl("tensor_parallel_blocks"), impl("tensor_parallel")
+    blocks, tp = impl("tensor_parallel.blocks"), impl("tensor_parallel.layers")
     p, r, dev = comm.world_size, comm.rank, torch.device("cuda")
     full = blocks.TransformerBlock(4 * p, 2 * p, 4 * p, seed=1, dtype=F64, device=dev)
     par = blocks.ParallelTransformerBlock.from_full(full, comm, sequence_parallel=sp)

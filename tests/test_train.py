@@ -31,7 +31,7 @@ from minidist.gpt.data import batch_at, dp_share, load_bytes
 from minidist.gpt.gather import local_parameters, whole_parameters
 from minidist.gpt.reference import differences, train_whole
 from minidist.gpt.train import TrainConfig, build_job, train_step
-from minidist.launch import launch
+from minidist.launch.launcher import launch
 from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)

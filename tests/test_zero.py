@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from minidist.amp import BF16, FP16, FP32, LossScaler, Precision
 from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.mixed_precision.amp import BF16, FP16, FP32, LossScaler, Precision
 from minidist.testing import check_all, impl, run_ranks, run_threads, verdict
 
 RTOL, ATOL = 1e-12, 1e-15  # float64; reduction order differs from the single-process sum
@@ -153,7 +153,7 @@ def check_replicas_identical(comm, z, step: int) -> None:
 
 def zero_matches_single_process(comm, case: dict, device="cpu") -> list:
     """Train the reference and the ZeRO model side by side; check after every step."""
-    zero_mod = impl("zero")
+    zero_mod = impl("zero.stages")
     d, h, b, seed = case["d"], case["h"], case["b"], case["seed"]
     p, r = comm.world_size, comm.rank
     data = batches(d, [b * p] * case["steps"], seed, case["accum"], device)
@@ -280,7 +280,7 @@ def zero_mixed_matches_single_process(comm, case: dict, device="cpu") -> list[in
     """Mixed precision inside ZeRO with every dtype float64 and a dynamic power-of-two loss
     scale equals plain float64 training on the whole batch that skips the same steps: every
     parameter, master, optimizer state and the scale, on every rank, after every step."""
-    zero_mod = impl("zero")
+    zero_mod = impl("zero.stages")
     d, h, b, seed, p, r = case["d"], case["h"], case["b"], case["seed"], comm.world_size, comm.rank
     data = batches(d, [b * p] * case["steps"], seed, case["accum"], device)
     ref = Net(d, h, seed, device)
@@ -380,7 +380,7 @@ def zero_low_precision(comm, stage: int, name: str, seed: int, steps=30, device=
     model, x, y = small_mlp(seed, steps)
     n = x.shape[1] // comm.world_size  # rows per rank
     lo, hi = comm.rank * n, (comm.rank + 1) * n
-    z = impl("zero").wrap(
+    z = impl("zero.stages").wrap(
         model.to(device), comm, torch.optim.AdamW, stage, {"lr": 3e-3},
         precision=precision, scaler=scaler,
     )  # fmt: skip
@@ -445,7 +445,7 @@ def counted_mixed_bytes(comm, stage: int, precision) -> dict:
     counter = Counter()
     c = ObservedComm(comm, counter)
     x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
-    z = impl("zero").wrap(
+    z = impl("zero.stages").wrap(
         stack().float(), c, torch.optim.Adam, stage, {"lr": 0.1}, algorithm="ring",
         precision=precision,
     )  # fmt: skip
@@ -474,7 +474,7 @@ def test_mixed_precision_all_gathers_half_the_bytes(stage, p):
         sent[name] = {k: sum(row[k] for row in rows) for k in rows[0]}
         b, r = precision.compute.itemsize, precision.reduce.itemsize
         total = sent[name]["sync"] + sent[name]["step"]
-        assert total - flags == p * impl("zero_cost").sent_nbytes(stage, n, p, b, r), (name, sent)
+        assert total - flags == p * impl("zero.cost").sent_nbytes(stage, n, p, b, r), (name, sent)
     if stage < 3:  # the all-gather is all step() sends
         assert 2 * sent["bf16"]["step"] == sent["fp32"]["step"] == (p - 1) * n * 4, sent
     assert sent["bf16-reduce"]["sync"] - flags == (sent["fp32"]["sync"] - flags) / 2, sent
@@ -486,7 +486,7 @@ def two_groups_one_overflow(comm, stage: int, agree_on_world: bool) -> list[int]
     dp_comm = comm.split(comm.rank // 2)
     model, scaler = Net(2, 3, seed=comm.rank // 2), LossScaler(4.0)
     overflow_comm = comm if agree_on_world else None  # None: the dp group alone
-    z = impl("zero").wrap(
+    z = impl("zero.stages").wrap(
         model, dp_comm, torch.optim.SGD, stage, {"lr": 0.1}, precision=F64, scaler=scaler,
         overflow_comm=overflow_comm,
     )  # fmt: skip
@@ -641,7 +641,7 @@ def test_zero_processes(backend):
 def checkpoint_reshards(comm, case: dict) -> None:
     """Train in world A (ka ranks, stage sa), consolidate on rank 0 and check it against the
     reference; load it into world B (kb ranks, stage sb) and keep training: still equal."""
-    zero_mod = impl("zero")
+    zero_mod = impl("zero.stages")
     ka, kb, k1, k2, b = case["ka"], case["kb"], case["k1"], case["k2"], case["b"]
     d, h, seed, r = case["d"], case["h"], case["seed"], comm.rank
     world_a, world_b = comm.split(int(r < ka)), comm.split(int(r < kb))  # both hold rank 0
@@ -757,10 +757,10 @@ def whole_now(unit) -> bool:
 def counted_memory(comm, stage: int, precision=None) -> dict:
     """The peak of each kind of model state over a step, sampled between its phases; and for
     ZeRO-3 the most units whole at once during forward. precision: mixed, or None."""
-    cost = impl("zero_cost")
+    cost = impl("zero.cost")
     opts = {"bucket_bytes": 1} if stage == 2 else {}  # ZeRO-2: one unit per layer
     opts |= {} if precision is None else {"precision": precision}
-    z = impl("zero").wrap(stack(), comm, torch.optim.Adam, stage, {"lr": 0.01}, **opts)
+    z = impl("zero.stages").wrap(stack(), comm, torch.optim.Adam, stage, {"lr": 0.01}, **opts)
     peak, whole = {}, [0]
 
     def count_whole(module, args):  # whole, or arriving (a prefetch lands in a buffer of its own)
@@ -793,7 +793,7 @@ def counted_memory(comm, stage: int, precision=None) -> dict:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_bytes_held_are_the_papers_formulas(stage, p):
-    want = impl("zero_cost").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 8, 2)  # Adam: k=2
+    want = impl("zero.cost").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 8, 2)  # Adam: k=2
     for got in run_threads(counted_memory, p, stage):
         assert {k: got[k] for k in want} == want, (got, want)
         if stage == 3:  # the layer being computed and the prefetched next one; none after
@@ -809,7 +809,7 @@ def test_bytes_held_with_mixed_precision_are_the_formulas(stage, p):
     """bfloat16 model, float32 master shard and Adam state and gradient shard: 2 + 2 + 12/p
     bytes per element (ZeRO-1), 2 + 16/p (ZeRO-2), 18/p (ZeRO-3); ZeRO-1's gradients are the
     model's bfloat16 ones until the sync, then the float32 shard (the larger counts)."""
-    want = impl("zero_cost").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 2, 2, m=4)
+    want = impl("zero.cost").model_state_nbytes(stage, LAYERS * WIDTH * WIDTH, p, 2, 2, m=4)
     for got in run_threads(counted_memory, p, stage, BF16):
         assert {k: got[k] for k in want} == want, (got, want)
 
@@ -821,12 +821,14 @@ def counted_step(comm, stage: int) -> int:
     c = ObservedComm(comm, counter)
     x = torch.randn(2, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if stage == 0:
-        model = impl("data_parallel").DataParallelBucketed(stack(), c, 1 << 20, "ring")
+        model = impl("data_parallel.wrappers").DataParallelBucketed(stack(), c, 1 << 20, "ring")
         counter.reset()
         model(x).square().sum().backward()
         model.finish_gradient_sync()
     else:
-        z = impl("zero").wrap(stack(), c, torch.optim.Adam, stage, {"lr": 0.1}, algorithm="ring")
+        z = impl("zero.stages").wrap(
+            stack(), c, torch.optim.Adam, stage, {"lr": 0.1}, algorithm="ring"
+        )
         counter.reset()
         z(x).square().sum().backward()
         z.step()
@@ -840,7 +842,7 @@ def test_bytes_sent_equal_data_parallel_and_one_and_a_half_times_for_zero3(p):
     sent = {s: sum(run_threads(counted_step, p, s)) for s in range(4)}
     assert sent[1] == sent[2] == sent[0], sent  # the same P flags ride along in every stage
     assert sent[3] - flags == 1.5 * (sent[0] - flags), sent
-    formula = impl("zero_cost").sent_nbytes
+    formula = impl("zero.cost").sent_nbytes
     for s in range(4):
         assert sent[s] - flags == p * formula(s, n, p, 8), (s, sent)
 
@@ -851,7 +853,7 @@ def test_bench_zero_json_matches_the_formulas(capsys):
     float32 and in bfloat16 mixed precision."""
     import argparse
 
-    from minidist.bench import zero as bench_zero
+    from minidist.zero import bench as bench_zero
 
     parser = argparse.ArgumentParser()
     bench_zero.add_parser(parser.add_subparsers())  # as `minidist bench` adds it
@@ -873,7 +875,7 @@ def test_bench_zero_json_matches_the_formulas(capsys):
 
 @pytest.mark.pure
 def test_partition_tiles_the_padded_buffer():
-    zero_mod = impl("zero")
+    zero_mod = impl("zero.stages")
 
     @settings(max_examples=150, deadline=None)
     @given(st.lists(st.integers(0, 20), max_size=8), st.integers(1, 9))
@@ -902,7 +904,7 @@ def test_partition_tiles_the_padded_buffer():
 
 @pytest.mark.pure
 def test_group_by_bytes_fills_buckets_in_order_and_splits_dtypes():
-    zero_mod = impl("zero")
+    zero_mod = impl("zero.stages")
     params = [torch.zeros(n) for n in (3, 1, 4, 1, 5)] + [torch.zeros(2, dtype=torch.float64)]
     groups = zero_mod.group_by_bytes(params, 16)
     assert [[q.numel() for q in g] for g in groups] == [[3, 1], [4], [1, 5], [2]]
@@ -911,7 +913,7 @@ def test_group_by_bytes_fills_buckets_in_order_and_splits_dtypes():
 
 @pytest.mark.pure
 def test_formulas():
-    cost = impl("zero_cost")
+    cost = impl("zero.cost")
     mixed = [sum(cost.model_state_nbytes(s, 1000, 8, 2, 6).values()) for s in range(4)]
     assert mixed == [16000, 4000 + 1500, 2000 + 250 + 1500, 2000]  # 2+2+12 bytes/element
     assert cost.sent_nbytes(3, 1000, 4, 2) == 1.5 * cost.sent_nbytes(1, 1000, 4, 2) == 4500
@@ -924,7 +926,7 @@ def test_formulas():
 
 @pytest.mark.pure
 def test_refusals():
-    zero_mod = impl("zero")
+    zero_mod = impl("zero.stages")
     comm = type("C", (), {"rank": 0, "world_size": 1})()
     with pytest.raises(ValueError, match="stage=0 is not 1, 2 or 3"):
         zero_mod.wrap(stack(), comm, torch.optim.SGD, 0, {"lr": 0.1})
@@ -935,11 +937,11 @@ def test_refusals():
     mixed = torch.nn.utils.skip_init(nn.Linear, 2, 2)  # no initialisation: no global RNG
     mixed.bias.data = mixed.bias.data.double()
     with pytest.raises(ValueError, match="mixes dtypes"):
-        impl("zero3").unit_groups(mixed)
+        impl("zero.gatherer").unit_groups(mixed)
 
 
 def two_backwards_without_finish(comm) -> str:
-    z = impl("zero").wrap(stack(), comm, torch.optim.SGD, 2, {"lr": 0.1}, bucket_bytes=1)
+    z = impl("zero.stages").wrap(stack(), comm, torch.optim.SGD, 2, {"lr": 0.1}, bucket_bytes=1)
     x = torch.ones(1, WIDTH, dtype=torch.float64)
     z(x).sum().backward()
     try:

@@ -121,7 +121,7 @@ def parts_match_single_process(comm, case: dict) -> None:
     local = build(case, case["seed"] + 1000 * r)  # ranks start out of sync on purpose
     # the fix the error names: the module that reads lin.weight (the root) as the only unit
     units = {"units": []} if case["model"] == "reads" and case["stage"] == 3 else {}
-    z = impl("zero").wrap(local, comm, torch.optim.AdamW, case["stage"],
+    z = impl("zero.stages").wrap(local, comm, torch.optim.AdamW, case["stage"],
                           {"lr": 0.05, "weight_decay": 0.1}, **units)  # fmt: skip
     for step, x in enumerate(xs):
         z(x[r * b : (r + 1) * b]).square().mean().backward()  # this rank's rows, sliced here
@@ -173,7 +173,7 @@ def test_each_parameter_goes_to_the_innermost_unit_around_its_holders():
     model = Shared(2, 3, 0)
     names = {id(q): n for n, q in model.named_parameters()}
     paths = {id(m): n for n, m in model.named_modules()}
-    for m, group in zip(*impl("zero3").unit_groups(model), strict=True):
+    for m, group in zip(*impl("zero.gatherer").unit_groups(model), strict=True):
         units[paths[id(m)]] = sorted(names[id(q)] for q in group)
     assert units == {
         "": ["a.weight", "inp.weight", "ws.0", "ws.1"],  # tied and sibling-shared: the root
@@ -183,9 +183,9 @@ def test_each_parameter_goes_to_the_innermost_unit_around_its_holders():
         "a": ["a.bias"],
     }, units
     with pytest.raises(ValueError, match=r"units \['ws \(ParameterList\)'\] never run"):
-        impl("zero3").unit_groups(model, units=[model.ws])
+        impl("zero.gatherer").unit_groups(model, units=[model.ws])
     with pytest.raises(ValueError, match="1 parameters belong to no module that runs"):
-        impl("zero3").unit_groups(_idle_root())
+        impl("zero.gatherer").unit_groups(_idle_root())
 
 
 def _idle_root() -> nn.Module:
@@ -210,7 +210,7 @@ def freed_reads(comm) -> list[str]:
     """The error of each unsupported read, on this rank; '' where something was not refused."""
     found = []
     x = torch.ones(2, 3, **KW)
-    z = impl("zero").wrap(ReadsChildWeight(), comm, torch.optim.SGD, 3, {"lr": 0.1})
+    z = impl("zero.stages").wrap(ReadsChildWeight(), comm, torch.optim.SGD, 3, {"lr": 0.1})
     for attempt in (lambda: z(x), lambda: z.module.lin.weight.sum(), lambda: z.module.state_dict()):
         try:
             attempt()
@@ -218,12 +218,12 @@ def freed_reads(comm) -> list[str]:
         except RuntimeError as e:
             found.append(f"{type(e).__name__}: {e}")
     shapes = (tuple(z.module.lin.weight.shape), z.module.lin.weight.grad)  # metadata: readable
-    listed = impl("zero").wrap(PartNet(1, 0), comm, torch.optim.SGD, 3, {"lr": 0.1})
+    listed = impl("zero.stages").wrap(PartNet(1, 0), comm, torch.optim.SGD, 3, {"lr": 0.1})
     printed = "[torch.float64 of size 9]" in repr(listed)  # ParameterList prints metadata only
     found.append("" if shapes != ((3, 3), None) or not printed else "metadata read")
     with z.gathered():  # inside, the values: no error
         found.append(f"gathered sum {z.module.lin.weight.sum().item() != 0}")
-    z = impl("zero").wrap(ReturnsWeight(), comm, torch.optim.SGD, 3, {"lr": 0.1})
+    z = impl("zero.stages").wrap(ReturnsWeight(), comm, torch.optim.SGD, 3, {"lr": 0.1})
     try:
         z(x)
         found.append("")

@@ -31,7 +31,7 @@ from test_zero import (
 )
 from torch import nn
 
-from minidist.amp import LossScaler
+from minidist.mixed_precision.amp import LossScaler
 from minidist.testing import check_all, impl, rank_settings, run_threads, verdict
 
 TRAINABLE = [n for n, q in Net(1, 1, 0).named_parameters() if q.requires_grad]  # 9 names
@@ -54,7 +54,7 @@ def zero_with_groups(model, comm, case: dict, stage: int, scale: float):
     opts = {"param_groups": param_groups(model, case, case["by"])}
     if case["mixed"]:  # the exact recipe: every dtype float64, a power-of-two scale
         opts |= {"precision": F64, "scaler": LossScaler(scale, growth_interval=1)}
-    return impl("zero").wrap(model, comm, opt_cls, stage, kwargs, **opts)
+    return impl("zero.stages").wrap(model, comm, opt_cls, stage, kwargs, **opts)
 
 
 def groups_match_single_process(comm, case: dict) -> None:
@@ -144,7 +144,7 @@ def test_param_groups_equal_torch_groups_and_survive_resharding_threads(case):
 @pytest.mark.pure
 def test_groups_that_do_not_cover_the_parameters_are_refused_by_name():
     comm = type("C", (), {"rank": 0, "world_size": 1, "broadcast": lambda *a: None})()
-    wrap = impl("zero").wrap
+    wrap = impl("zero.stages").wrap
     for groups, message in (
         (
             [{"params": ["hidden.weight"]}],
@@ -165,10 +165,10 @@ def load_other_groups(comm, stage: int) -> str:
     """A state whose groups name other parameters: every rank raises the same error."""
     one = [{"params": TRAINABLE}]
     two = [{"params": TRAINABLE[:3]}, {"params": TRAINABLE[3:], "lr": 0.5}]
-    za = impl("zero").wrap(Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1},
+    za = impl("zero.stages").wrap(Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1},
                            param_groups=one)  # fmt: skip
     state = za.state_dict()
-    zb = impl("zero").wrap(Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1},
+    zb = impl("zero.stages").wrap(Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1},
                            param_groups=two)  # fmt: skip
     try:
         zb.load_state_dict(state)

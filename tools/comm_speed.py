@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import minidist
-from minidist.collectives import recursive_doubling_all_reduce, ring_all_reduce
+from minidist.collectives.algorithms import recursive_doubling_all_reduce, ring_all_reduce
 
 ROUNDS = 5
 

@@ -4,10 +4,10 @@
 
 1. the gpu-marked tests (tests/test_gpu.py: CUDA tensors on threads and mpi, and nccl);
 2. `minidist bench allreduce --backend nccl` over every GPU (one rank per GPU): busbw at the
-   largest size beside the NVLink figure of the matching preset in minidist/cluster.py;
+   largest size beside the NVLink figure of the matching preset in minidist/cluster/hardware.py;
 3. a ParallelTransformerBlock (tp = 2 ranks as threads on cuda:0) in bf16, forward and
-   backward timed: achieved TFLOP/s beside the GPU's dense bf16 peak from cluster.py's presets,
-   matched by torch.cuda.get_device_name();
+   backward timed: achieved TFLOP/s beside the GPU's dense bf16 peak from cluster/hardware.py's
+   presets, matched by torch.cuda.get_device_name();
 4. the main job on nccl with --check (dp = the number of GPUs).
 Each step has its own time limit (150 + 90 + 90 + 120 s): under 8 minutes in all. Without
 CUDA it prints one line, "no GPU: skipped", and exits 0. The exit code is 1 if a step failed.
@@ -29,7 +29,7 @@ MINIDIST = [sys.executable, "-m", "minidist.cli"]
 
 def gpu_preset():
     """The first cluster preset whose GPU model (A100, H100, H200) is in the device's name."""
-    from minidist.cluster import PRESETS
+    from minidist.cluster.hardware import PRESETS
 
     name = torch.cuda.get_device_name()
     for cluster in PRESETS.values():
@@ -82,7 +82,7 @@ def block_flops(b: int, t: int, d: int) -> float:
 
 def tp_block(comm, b: int, t: int, d: int, steps: int) -> float:
     """Seconds per forward + backward of a bf16 ParallelTransformerBlock, median of steps."""
-    from minidist.tensor_parallel_blocks import ParallelTransformerBlock
+    from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 
     cuda = torch.device("cuda", 0)
     block = ParallelTransformerBlock(d, d // 128, 4 * d, comm, dtype=torch.bfloat16, device=cuda)

@@ -21,7 +21,7 @@ import time
 import torch
 
 import minidist
-from minidist.collectives import ring_all_reduce
+from minidist.collectives.algorithms import ring_all_reduce
 from minidist.comm.checked import CheckedComm
 
 ITERS = int(sys.argv[1]) if len(sys.argv) > 1 else 1000

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python tools/plan_validate.py [--steps 4] [--repeats 2] [--backend mpi]
 
-For each layout, runs `minidist plan --cluster this` (calibrate.py: the link fitted to
+For each layout, runs `minidist plan --cluster this` (cluster/calibrate.py: the link fitted to
 `minidist bench p2p --json`, a core's copy bandwidth, its FLOP/s on the job's own block at the
 layout's microbatch shape and tp; none of it a training step) on that one layout, then
 `minidist train --json` (one rank per core), and prints the plan's seconds per step beside the

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from minidist.launch import demo_init
+from minidist.launch.launcher import demo_init
 
 
 def who_is_where(comm) -> None:

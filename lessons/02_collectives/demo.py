@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from minidist import collectives
+from minidist.collectives import algorithms as collectives
 from minidist.comm import Counter, ObservedComm
-from minidist.launch import demo_init
+from minidist.launch.launcher import demo_init
 
 FORMULA = {  # bytes each rank sends, N elements of b bytes (the module docstring's table)
     "naive": "root (p-1) N b, others N b",

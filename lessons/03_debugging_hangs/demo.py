@@ -11,7 +11,7 @@ import torch
 
 from minidist.comm import CheckedComm, CommError
 from minidist.comm.protocol import Deadlock
-from minidist.launch import demo_init
+from minidist.launch.launcher import demo_init
 
 
 def exchange(pair, numel: int, send_first: bool) -> None:

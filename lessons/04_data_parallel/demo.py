@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from minidist.comm.wrappers import ObservedComm, Tracer
-from minidist.data_parallel import DataParallelBucketed, shard
-from minidist.launch import demo_init
+from minidist.data_parallel.wrappers import DataParallelBucketed, shard
+from minidist.launch.launcher import demo_init
 
 
 def main(comm):

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from minidist.comm import Counter, ObservedComm
-from minidist.launch import demo_init
-from minidist.tensor_parallel import vocab_parallel_cross_entropy
-from minidist.tensor_parallel_blocks import ParallelTransformerBlock as Parallel
-from minidist.tensor_parallel_blocks import TransformerBlock, saved_activation_nbytes
+from minidist.launch.launcher import demo_init
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock as Parallel
+from minidist.tensor_parallel.blocks import TransformerBlock, saved_activation_nbytes
+from minidist.tensor_parallel.layers import vocab_parallel_cross_entropy
 
 
 def worst(comm, diff: torch.Tensor) -> float:

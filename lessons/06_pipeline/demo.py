@@ -11,12 +11,12 @@ from itertools import pairwise
 import torch
 from torch import nn
 
-from minidist import schedules as sch
 from minidist.comm.wrappers import Tracer
-from minidist.launch import demo_init
-from minidist.partition import param_counts, partition, stage_chunks
-from minidist.pipeline import PipelineStage, measured_timeline, split_microbatches
-from minidist.schedule_cli import draw_timeline
+from minidist.launch.launcher import demo_init
+from minidist.pipeline import schedules as sch
+from minidist.pipeline.draw import draw_timeline
+from minidist.pipeline.partition import param_counts, partition, stage_chunks
+from minidist.pipeline.stage import PipelineStage, measured_timeline, split_microbatches
 
 WIDTHS = [16, 96, 96, 32, 64, 64, 128, 64, 32, 16, 16, 8, 8]  # Linear + tanh between each pair
 loss_fn = nn.functional.mse_loss  # a mean over its microbatch; the stage divides it by m

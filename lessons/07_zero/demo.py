@@ -7,9 +7,10 @@ minidist run -n 4 --backend mpi lessons/07_zero/demo.py      # or --backend gloo
 import torch
 from torch import nn
 
-from minidist import zero, zero_cost
 from minidist.comm import Counter, ObservedComm
-from minidist.launch import demo_init
+from minidist.launch.launcher import demo_init
+from minidist.zero import cost as zero_cost
+from minidist.zero import stages as zero
 
 WIDTH, B = 8, 4  # three Linear(8, 8): 72 elements each, 216 in all; B rows per rank
 

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from minidist.launch import demo_init
-from minidist.sgd import Config, least_squares, train
+from minidist.launch.launcher import demo_init
+from minidist.sgd.variants import Config, least_squares, train
 
 STEPS, COMPUTE, SLOW = 40, 0.005, 0.015  # gradients per worker; seconds; the straggler's extra
 TARGET = 1e-4  # "trained": the loss below TARGET times the loss at the start

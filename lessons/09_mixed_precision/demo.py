@@ -8,9 +8,9 @@ minidist run -n 4 --backend mpi lessons/09_mixed_precision/demo.py         # or 
 import torch
 from torch import nn
 
-from minidist.amp import BF16, FP16, FP32, LossScaler, MixedPrecisionOptimizer
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.launch import demo_init
+from minidist.launch.launcher import demo_init
+from minidist.mixed_precision.amp import BF16, FP16, FP32, LossScaler, MixedPrecisionOptimizer
 
 
 def underflow(rank: int) -> None:

@@ -10,8 +10,12 @@ import time
 import torch
 from torch import nn
 
-from minidist.checkpointing import CheckpointedSequential, SavedTensorMeter, predicted_peak
-from minidist.launch import demo_init
+from minidist.checkpointing.recompute import (
+    CheckpointedSequential,
+    SavedTensorMeter,
+    predicted_peak,
+)
+from minidist.launch.launcher import demo_init
 
 N_BLOCKS, D, ROWS = 16, 128, 32
 

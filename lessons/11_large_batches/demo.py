@@ -8,11 +8,11 @@ minidist run -n 4 --backend mpi lessons/11_large_batches/demo.py           # or 
 import torch
 from torch import nn
 
-from minidist.accumulation import train_step
-from minidist.bench.batch import mlp, task, train_curve
-from minidist.data_parallel import DataParallelBucketed, shard
-from minidist.launch import demo_init
-from minidist.lr import lr_at, scaled_lr
+from minidist.data_parallel.wrappers import DataParallelBucketed, shard
+from minidist.large_batches.accumulation import train_step
+from minidist.large_batches.bench import mlp, task, train_curve
+from minidist.large_batches.lr import lr_at, scaled_lr
+from minidist.launch.launcher import demo_init
 
 B0, LR0, K, WARMUP = 16, 0.06, 8, 8
 

@@ -10,7 +10,7 @@ from minidist.comm import Counter, ObservedComm
 from minidist.gpt.model import GPTConfig, stage_layer_ids
 from minidist.gpt.reference import train_whole
 from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes, train_step
-from minidist.launch import demo_init
+from minidist.launch.launcher import demo_init
 from minidist.mesh import Layout
 
 AXES = ("dp", "pp", "tp")

@@ -4,8 +4,8 @@ python lessons/13_beyond_one_machine/demo.py                 # DGX H100 nodes (t
 python lessons/13_beyond_one_machine/demo.py pcie-a100       # or another cluster preset
 
 The simulated ranks are threads of one process; every message is real, only the clock is
-simulated (minidist/simulate.py), so the answers do not depend on this machine's speed. Under
-minidist run, rank 0 runs the simulation and the other ranks have nothing to do.
+simulated (minidist/cluster/simulate.py), so the answers do not depend on this machine's speed.
+Under minidist run, rank 0 runs the simulation and the other ranks have nothing to do.
 """
 
 import sys
@@ -13,11 +13,11 @@ import sys
 import torch
 
 import minidist
-from minidist import cluster
-from minidist.collectives import ring_all_reduce
-from minidist.hierarchical import hierarchical_all_reduce, node_comms
-from minidist.simulate import simulate
-from minidist.tensor_parallel_blocks import ParallelTransformerBlock
+from minidist.cluster import hardware as cluster
+from minidist.cluster.simulate import simulate
+from minidist.collectives.algorithms import ring_all_reduce
+from minidist.collectives.hierarchical import hierarchical_all_reduce, node_comms
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 
 
 def flat(comm, n: int) -> None:

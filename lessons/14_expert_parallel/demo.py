@@ -10,8 +10,8 @@ import timeit
 import torch
 
 from minidist.comm import Counter, ObservedComm
-from minidist.expert_parallel import Expert, ExpertParallelMoE, MoE, step_nbytes, sync_grads
-from minidist.launch import demo_init
+from minidist.expert_parallel.moe import Expert, ExpertParallelMoE, MoE, step_nbytes, sync_grads
+from minidist.launch.launcher import demo_init
 
 D, F, E, N = 16, 32, 8, 64  # width, expert hidden width, experts, tokens per rank
 

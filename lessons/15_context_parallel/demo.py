@@ -11,8 +11,8 @@ import math
 import torch
 
 from minidist.comm import Counter, ObservedComm
-from minidist.context_parallel import ring_attention, shard_sequence
-from minidist.launch import demo_init
+from minidist.context_parallel.ring_attention import ring_attention, shard_sequence
+from minidist.launch.launcher import demo_init
 
 
 def worst(comm, diff: torch.Tensor) -> float:

@@ -4,7 +4,7 @@
     mpi         MPIComm()                           mpi4py; start with mpiexec
     gloo, nccl  torchdist.init_process_group(...)   torch.distributed; start with torchrun
 
-Most code gets its comm from `minidist.init()` (see minidist/launch.py). Wrappers:
+Most code gets its comm from `minidist.init()` (see minidist/launch/launcher.py). Wrappers:
 `ObservedComm(comm, Counter())` counts bytes, `ObservedComm(comm, Tracer())` records a timeline,
 `CheckedComm(comm)` turns mismatched collectives into errors (debug mode).
 """

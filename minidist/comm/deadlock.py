@@ -130,8 +130,8 @@ class WaitForGraph:
         return [t for t, (r, _) in self.blocked.items() if r == rank and t.is_alive()]
 
     def _where(self, thread: threading.Thread) -> str:
-        """'recv(from 1, tag 0, 8 float32) in ring_all_reduce (collectives.py:120)', and the
-        call's note."""
+        """'recv(from 1, tag 0, 8 float32) in ring_all_reduce (collectives/algorithms.py:120)', and
+        the call's note."""
         caller = _caller(thread, self.backend_file)
         blocked = self.blocked[thread][1]
         return blocked.call() + (f" in {caller}" if caller else "") + blocked.note()

@@ -30,8 +30,8 @@ others waiting until the allocation runs out. Three pieces:
   Costs: one TCP connection and ten small store queries a second per rank; nothing on the
   comm's own path.
 - `MPIJob`, for MPI ranks that no `minidist run` watches: a failing rank ends the job with
-  MPI_Abort (launch.py's failure hook), and one that timed out first asks the others for their
-  state over a communicator of their own, naming the hung rank the same way.
+  MPI_Abort (launch/launcher.py's failure hook), and one that timed out first asks the others for
+  their state over a communicator of their own, naming the hung rank the same way.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ On every backend, a message to self still kept (SelfMessages) was never received
 The comms looked at are those still alive at exit (after a garbage collection): a comm a
 program dropped takes its messages with it. Found messages are printed, one line each, as the
 threads world prints them; written to rank{r}.unreceived in `minidist run`'s folder (the
-launcher reads it when the job has ended: launch.py); and the process ends with exit code 1.
-A program that abandons messages on purpose (a parameter server that drops a worker mid-request
+launcher reads it when the job has ended: launch/launcher.py); and the process ends with exit code
+1. A program that abandons messages on purpose (a parameter server that drops a worker mid-request
 never reads its gradient) sets MINIDIST_UNRECEIVED=allow: they are printed, and that is all.
 
     [rank 1] 1 message(s) sent but never received, found at exit (mpi):

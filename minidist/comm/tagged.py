@@ -1,7 +1,7 @@
 """A tag per hand-written collective, so two different collectives never exchange messages.
 
-The collectives of minidist/collectives.py are built from send and recv. With one tag for all
-of them, rank 0 in `ring_all_reduce` and rank 1 in `ring_all_gather` (or in
+The collectives of minidist/collectives/algorithms.py are built from send and recv. With one tag for
+all of them, rank 0 in `ring_all_reduce` and rank 1 in `ring_all_gather` (or in
 `recursive_doubling_all_reduce`) would take each other's messages wherever the sizes fit, and
 return wrong numbers. So each public collective starts with
 

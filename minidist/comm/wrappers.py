@@ -14,7 +14,7 @@ What is counted. Point-to-point operations are exact: a send of t adds t.nbytes 
 `sent_to[dst]`, a receive to `received_from[src]`. A library collective (comm.all_reduce, ...)
 is one opaque call: the counter records the call and its payload (the input tensor's bytes),
 not the wire bytes, which depend on the library's algorithm. The hand-written collectives in
-`minidist.collectives` are built from send/recv, so their every byte is counted exactly.
+`minidist.collectives.algorithms` are built from send/recv, so their every byte is counted exactly.
 """
 
 from __future__ import annotations

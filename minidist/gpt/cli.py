@@ -35,17 +35,17 @@ from dataclasses import asdict, fields
 
 import torch
 
-from minidist.amp import PRECISIONS
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.gpt import resume
 from minidist.gpt.gather import whole_parameters
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.reference import differences, train_whole
 from minidist.gpt.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
-from minidist.launch import BACKENDS, init, start_ranks
-from minidist.pipeline import measured_timeline
-from minidist.schedule_cli import draw_timeline
-from minidist.schedules import NAMES, bubble_formula, bubble_fraction
+from minidist.launch.launcher import BACKENDS, init, start_ranks
+from minidist.mixed_precision.amp import PRECISIONS
+from minidist.pipeline.draw import draw_timeline
+from minidist.pipeline.schedules import NAMES, bubble_formula, bubble_fraction
+from minidist.pipeline.stage import measured_timeline
 
 AXES = ("dp", "pp", "tp", "cp", "ep")
 SIZES = {

@@ -3,8 +3,8 @@ and every block's attention runs as ring attention over cp_comm.
 
 Equals: train_whole, the same model on the whole sequences: every rank embeds its tokens at
 their global positions (positions), runs the blocks on its T/cp tokens (every other layer acts
-token by token), attends through ring_attention (context_parallel.py), and takes the mean
-cross-entropy over its own tokens. Every cp rank holds T/cp tokens of the same b sequences, so
+token by token), attends through ring_attention (context_parallel/ring_attention.py), and takes the
+mean cross-entropy over its own tokens. Every cp rank holds T/cp tokens of the same b sequences, so
 the whole batch's mean loss is the mean of the dp x cp ranks' means: the replicas average the
 gradients over dcp_comm (dp x cp) instead of dp_comm, which is the gradients summed over cp
 with each rank's loss divided by cp, then the usual dp average. float64: losses 1e-12
@@ -26,10 +26,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.context_parallel import chunk_size, chunks_of, ring_attention, shard_sequence
+from minidist.context_parallel.ring_attention import (
+    chunk_size,
+    chunks_of,
+    ring_attention,
+    shard_sequence,
+)
 from minidist.gpt.model import Embedding, unwrap
 from minidist.gpt.moe import MoEBlock
-from minidist.tensor_parallel_blocks import ParallelTransformerBlock
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 
 LAYOUT = "zigzag"  # every cp rank the same causal work (lesson 15)
 

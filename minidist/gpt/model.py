@@ -4,7 +4,7 @@ Equals: `whole_layers(config)` is the single-process model; `stage_chunks` gives
 pipeline chunks of the same model, every layer sliced for tensor parallelism with from_full, so
 the distributed model is the whole model cut, not a look-alike (train.py proves the training
 equal: float64 1e-12 relative).
-Communication per step: that of its parts (tensor_parallel_blocks.py for tp; pipeline.py for
+Communication per step: that of its parts (tensor_parallel/blocks.py for tp; pipeline/stage.py for
 pp), none of its own.
 Memory per rank: the parameters of its stage's layers, 1/tp of each tensor-parallel weight.
 Ladder: whole_layers (one process) -> parallel_layer (each layer cut over tp_comm) ->
@@ -36,15 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.checkpointing import checkpoint
+from minidist.checkpointing.recompute import checkpoint
 from minidist.gpt import moe
-from minidist.partition import balance
-from minidist.tensor_parallel import ColumnParallelLinear, master_linear
-from minidist.tensor_parallel_blocks import (
+from minidist.pipeline.partition import balance
+from minidist.tensor_parallel.blocks import (
     ParallelTransformerBlock,
     TransformerBlock,
     VocabParallelEmbedding,
 )
+from minidist.tensor_parallel.layers import ColumnParallelLinear, master_linear
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The mixture-of-experts variant of the main job's GPT: every block's MLP replaced by the MoE
-layer of expert_parallel.py, its experts shared out over the mesh's ep group.
+layer of expert_parallel/moe.py, its experts shared out over the mesh's ep group.
 
 Equals: train_whole on the same model with all E experts in one process, each block routing
 the whole batch in the same groups as the ranks do (one group per rank and microbatch: b = B /
@@ -8,7 +8,7 @@ capacity and the auxiliary loss are per group, as GShard and Switch define them)
 auxiliary loss weighted 1 / (dp m cp) per group (the mean over groups).
 float64: losses 1e-12 relative, parameters 1e-10 (tests/test_train.py).
 Communication per step, per rank (ep ranks on ep_comm): per block and microbatch, that of
-ExpertParallelMoE (three all-to-alls forward, two backward: expert_parallel.py); at the step's
+ExpertParallelMoE (three all-to-alls forward, two backward: expert_parallel/moe.py); at the step's
 end replicas.ExpertReplicas all-reduces every gradient once: the dense ones and the routers' over
 dp x cp (the routers' as ep, edp, then cp), the experts' over edp then cp, their replicas. On
 the dp counter (dp x cp and edp count as dp): 8 + f Psi_r bytes, Psi_r the rank's parameters
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.expert_parallel import SWITCH_ALPHA, ExpertParallelMoE, MoE
-from minidist.tensor_parallel_blocks import TransformerBlock, attention
+from minidist.expert_parallel.moe import SWITCH_ALPHA, ExpertParallelMoE, MoE
+from minidist.tensor_parallel.blocks import TransformerBlock, attention
 
 
 class AttachAux(torch.autograd.Function):

@@ -21,13 +21,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from minidist.amp import MixedPrecisionOptimizer
 from minidist.gpt import context, moe
 from minidist.gpt import model as gpt
 from minidist.gpt.data import batch_at, load_bytes
 from minidist.gpt.replicas import grouped_optimizer, make_scaler
 from minidist.gpt.train import DTYPES, TrainConfig
-from minidist.lr import WarmupDecay, lr_at
+from minidist.large_batches.lr import WarmupDecay, lr_at
+from minidist.mixed_precision.amp import MixedPrecisionOptimizer
 
 
 def train_whole(config: TrainConfig, data=None, on_step: Callable | None = None) -> dict:

@@ -36,13 +36,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from minidist import zero as zero_
-from minidist.amp import LossScaler, MixedPrecisionOptimizer
-from minidist.data_parallel import DataParallelBucketed
-from minidist.expert_parallel import ExpertParallelMoE, MoE, sync_grads
+from minidist.data_parallel.wrappers import DataParallelBucketed
+from minidist.expert_parallel.moe import ExpertParallelMoE, MoE, sync_grads
 from minidist.memory import storage_nbytes
-from minidist.tensor_parallel_blocks import VocabParallelEmbedding
-from minidist.zero_cost import memory_nbytes
+from minidist.mixed_precision.amp import LossScaler, MixedPrecisionOptimizer
+from minidist.tensor_parallel.blocks import VocabParallelEmbedding
+from minidist.zero import stages as zero_
+from minidist.zero.cost import memory_nbytes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter element
 EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # lookup tables, whole or cut over tp

@@ -16,7 +16,7 @@ per tp rank, f bytes a gradient element):
       pp > 1 reduce-scatter after every microbatch's backward (m times that; see below), and
       ZeRO-3 gathers parameters per microbatch.
 Memory per rank: Psi_s parameters with their gradients and optimizer state (ZeRO divides them
-by dp; see zero.py), plus the activations the schedule keeps (pipeline.py).
+by dp; see zero/stages.py), plus the activations the schedule keeps (pipeline/stage.py).
 Order of composition (each step wraps what the one before made):
   1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
                   (cp > 1: cp_comm, dcp_comm; ep > 1: ep_comm, edp_comm)
@@ -26,7 +26,8 @@ Order of composition (each step wraps what the one before made):
   3. replicas     precision, then data parallel or ZeRO over dp     replicas.py
                   (over dp x cp with cp > 1; with experts, each
                   gradient over its own replicas)
-  4. pipeline     the stage's chunks run by the schedule over pp    pipeline.py, schedules.py
+  4. pipeline     the stage's chunks run by the schedule over pp    pipeline/stage.py,
+  pipeline/schedules.py
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
 chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
 they are reduce-scattered after every backward op (PipelineStage's on_backward), which sends
@@ -47,16 +48,16 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from minidist.amp import PRECISIONS, Precision
 from minidist.gpt import context, moe
 from minidist.gpt import model as gpt
 from minidist.gpt.data import SONNETS, batch_at, dp_share, load_bytes
 from minidist.gpt.replicas import Replicas, make_replicas
-from minidist.lr import WarmupDecay
+from minidist.large_batches.lr import WarmupDecay
 from minidist.mesh import Layout, Mesh, make_mesh
-from minidist.pipeline import PipelineStage, split_microbatches
-from minidist.schedules import NAMES, build_schedules
-from minidist.tensor_parallel import vocab_parallel_cross_entropy
+from minidist.mixed_precision.amp import PRECISIONS, Precision
+from minidist.pipeline.schedules import NAMES, build_schedules
+from minidist.pipeline.stage import PipelineStage, split_microbatches
+from minidist.tensor_parallel.layers import vocab_parallel_cross_entropy
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -236,7 +237,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         context.context_parallel(chunks, mesh.cp_comm, config.model.seq_len)
     replicas = make_replicas(chunks, mesh, config)  # 3
     # lab 12.4 end
-    # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline.py); the replicas
+    # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline/stage.py); the replicas
     moe.group_blocks(replicas.module, None, 1 / config.microbatches)  # divide by dp cp
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ MUTANTS: list[Mutant] = [
         "self.t.copy_(msg.reshape(self.t.shape))",
         "self.t.reshape(-1).copy_(msg.reshape(-1))",
     ),
-    # ---- 02: collectives from send/recv (minidist/collectives.py) ------------------------------
+    # ---- 02: collectives from send/recv (minidist/collectives/algorithms.py) ---------------------
     Mutant(
         "02",
         "02.1",
@@ -195,7 +195,7 @@ MUTANTS: list[Mutant] = [
         "if numel != t.numel() or dtype != t.dtype:",
         "if dtype != t.dtype:",
     ),
-    # ---- 04: data parallelism (minidist/data_parallel.py) --------------------------------------
+    # ---- 04: data parallelism (minidist/data_parallel/wrappers.py) -------------------------------
     Mutant(
         "04",
         "04.1",
@@ -252,7 +252,7 @@ MUTANTS: list[Mutant] = [
         "param.grad = view.div_(p).view_as(param) if used > 0 else None",
         "param.grad = view.div_(p).view_as(param)",
     ),
-    # ---- 05: tensor parallelism (minidist/tensor_parallel.py) ----------------------------------
+    # ---- 05: tensor parallelism (minidist/tensor_parallel/layers.py) -----------------------------
     Mutant(
         "05",
         "05.1",
@@ -305,7 +305,7 @@ MUTANTS: list[Mutant] = [
         "grad_b = grad_rows.sum(0) if ctx.has_bias else None  # (O/p,)",
         "grad_b = torch.zeros_like(grad_rows[0]) if ctx.has_bias else None",
     ),
-    # ---- 06: pipeline schedules (minidist/schedules.py) ----------------------------------------
+    # ---- 06: pipeline schedules (minidist/pipeline/schedules.py) ---------------------------------
     Mutant(
         "06",
         "06.1",
@@ -350,7 +350,7 @@ MUTANTS: list[Mutant] = [
         "        group, r = divmod(k, 2 * v)\n"
         "        return group * 2 + r % 2, (v - 1 - r // 2 if backward else r // 2)",
     ),
-    # ---- 07: ZeRO (minidist/zero.py) ------------------------------------------------------------
+    # ---- 07: ZeRO (minidist/zero/stages.py) ------------------------------------------------------
     Mutant(
         "07",
         "07.1",
@@ -400,7 +400,7 @@ MUTANTS: list[Mutant] = [
         "self.launcher.all_reduce(squares).wait()",
         "if grads:\n            self.launcher.all_reduce(squares).wait()",
     ),
-    # ---- 08: the parameter server (minidist/parameter_server.py) -------------------------------
+    # ---- 08: the parameter server (minidist/sgd/parameter_server.py) -----------------------------
     Mutant(
         "08",
         "08.2",
@@ -456,7 +456,7 @@ MUTANTS: list[Mutant] = [
         "if not link.waiting and now - link.heard > self.timeout:",
         "if False:",
     ),
-    # ---- 09: mixed precision (minidist/amp.py) -------------------------------------------------
+    # ---- 09: mixed precision (minidist/mixed_precision/amp.py) -----------------------------------
     Mutant(
         "09",
         "09.1",
@@ -521,7 +521,7 @@ MUTANTS: list[Mutant] = [
         "                param.copy_(master)  # round the updated master to the model's dtype",
         "                pass",
     ),
-    # ---- 10: gradient checkpointing (minidist/checkpointing.py) --------------------------------
+    # ---- 10: gradient checkpointing (minidist/checkpointing/recompute.py) ------------------------
     Mutant(
         "10",
         "10.1",
@@ -558,7 +558,7 @@ MUTANTS: list[Mutant] = [
         "return (None, None, *[next(grads) if n else None for n in needs[: len(saved)]],"
         " *[None for _ in ctx.params])",
     ),
-    # ---- 11: learning-rate schedule (minidist/lr.py) -------------------------------------------
+    # ---- 11: learning-rate schedule (minidist/large_batches/lr.py) -------------------------------
     Mutant(
         "11",
         "11.1",
@@ -683,7 +683,7 @@ MUTANTS: list[Mutant] = [
         "nbytes += ma + 64",
         module=1,
     ),
-    # ---- 13: the cluster cost model (minidist/cluster.py) --------------------------------------
+    # ---- 13: the cluster cost model (minidist/cluster/hardware.py) -------------------------------
     Mutant(
         "13",
         "13.1",
@@ -719,7 +719,7 @@ MUTANTS: list[Mutant] = [
         "inside = 2 * (g - 1) * (cluster.intra.latency + nbytes / g / cluster.intra.bandwidth)",
         "inside = (g - 1) * (cluster.intra.latency + nbytes / g / cluster.intra.bandwidth)",
     ),
-    # ---- 14: expert parallelism (minidist/expert_parallel.py) ----------------------------------
+    # ---- 14: expert parallelism (minidist/expert_parallel/moe.py) --------------------------------
     Mutant(
         "14",
         "14.1",
@@ -762,7 +762,7 @@ MUTANTS: list[Mutant] = [
         "out = self.run_local(arrived, got)  # (M, D)",
         "out = self.run_local(arrived, got.sum(1, keepdim=True).expand(p, n_local) // n_local)",
     ),
-    # ---- 15: context parallelism (minidist/context_parallel.py) --------------------------------
+    # ---- 15: context parallelism (minidist/context_parallel/ring_attention.py) -------------------
     Mutant(
         "15",
         "15.1",

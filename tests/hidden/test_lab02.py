@@ -18,7 +18,7 @@ from minidist.testing import check_all, impl, run_threads, verdict
 def signed_zeros(comm, op: str) -> None:
     """Every rank holds zeros of a sign that depends on rank and position (and one +1 where
     the ranks disagree least): max/min must leave the same bits on every rank."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     signs = torch.tensor([(-1.0) ** ((r >> k) + k) for k in range(8)])  # (8,) of +-1
     x = signs * 0.0  # (8,) of +-0.0
@@ -40,7 +40,7 @@ def test_02_3_recursive_doubling_folds_signed_zeros_the_same_on_every_rank(p, op
 def uneven_reduce_scatter(comm, n: int, op: str) -> None:
     """ring_reduce_scatter of n integer-valued float64 elements (a strided view), n not a
     multiple of p: rank r gets elements [r n // p, (r + 1) n // p) of the reduction."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     xs = [torch.arange(n, dtype=torch.float64) * (i + 1) % 7 - 3 for i in range(p)]  # (n,) each
     base = torch.stack([xs[r], torch.zeros(n, dtype=torch.float64)], 1)  # (n, 2)
@@ -63,7 +63,7 @@ def test_02_1_ring_reduce_scatter_of_sizes_p_does_not_divide(p):
 def uneven_all_gather(comm, n: int) -> None:
     """ring_all_gather of chunk_bounds-sized pieces (some empty when n < p) into a strided
     out: every rank ends with the whole 0 .. n-1."""
-    C = impl("collectives")
+    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     lo, hi = r * n // p, (r + 1) * n // p
     base = torch.full((n, 2), -1.0)

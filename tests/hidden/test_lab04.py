@@ -24,7 +24,7 @@ FAST = {"timeout": 30, "comm_timeout": 3}
 
 @pytest.mark.pure
 def test_04_1_buckets_close_at_exactly_bucket_bytes():
-    assign = impl("data_parallel").assign_buckets
+    assign = impl("data_parallel.wrappers").assign_buckets
     cases = [
         (([8, 8, 8], 16), [[0, 1], [2]]),
         (([8, 8, 8], 8), [[0], [1], [2]]),
@@ -61,7 +61,7 @@ class Three(nn.Module):
 def unused_on_one_rank(comm, bucket_bytes: int) -> None:
     """Rank 0 never runs b; the others do. The averaged gradients equal one process's over
     the whole batch (b's: the sum over the ranks that used it, over p); replicas agree."""
-    dp = impl("data_parallel")
+    dp = impl("data_parallel.wrappers")
     p, r = comm.world_size, comm.rank
     g = torch.Generator().manual_seed(9)
     xs = torch.randn(p, 2, 4, generator=g, dtype=F64)  # (p, 2, 4): two rows per rank
@@ -88,7 +88,7 @@ def test_04_2_buckets_launch_in_order_when_a_layer_is_unused_on_one_rank(bucket_
 def used_by_some(comm) -> None:
     """p = 3; w used by ranks 0 and 2 only (rank 1 runs no backward), v by none: w.grad is
     (g0 + g2) / 3 (integer-valued sums, one division), v.grad stays None, on every rank."""
-    dp = impl("data_parallel")
+    dp = impl("data_parallel.wrappers")
     model = nn.Module()
     model.w = nn.Parameter(torch.zeros(3, dtype=F64))
     model.v = nn.Parameter(torch.zeros(2, dtype=F64))

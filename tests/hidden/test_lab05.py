@@ -44,7 +44,7 @@ def linear_and_data(i: int, o: int, b: int, t: int, seed: int):
 def row_layer(comm, split_here: bool, sp: bool) -> None:
     """RowParallelLinear(I=6, O=5, bias) vs nn.Linear: y (this rank's tokens with sp), dL/dx
     (its columns unless split here), this rank's columns of dL/dW, and dL/db whole."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     p, r = comm.world_size, comm.rank
     lin, x, gy = linear_and_data(2 * p, 5, 2, 2 * p, seed=51)
     x_ref = leaf(x)
@@ -77,7 +77,7 @@ def test_05_1_row_parallel_with_a_bias_on_three_ranks(split_here, sp):
 def cross_entropy_far_max(comm) -> None:
     """Logits (2, 3, 3p) at about 1e4: each row's largest logit sits on the rank after its
     target's; loss and dL/dlogits vs F.cross_entropy on the whole vocabulary."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     p, r = comm.world_size, comm.rank
     v = 3 * p
     g = torch.Generator().manual_seed(52)
@@ -105,7 +105,7 @@ def sequence_parallel_column(comm) -> None:
     """ColumnParallelLinear(I=4, O=3p, bias, sequence_parallel) vs nn.Linear: x_local this
     rank's tokens, y_local its output columns for every token; dL/dx_local, its rows of dL/dW
     and dL/db."""
-    tp = impl("tensor_parallel")
+    tp = impl("tensor_parallel.layers")
     p, r = comm.world_size, comm.rank
     lin, x, gy = linear_and_data(4, 3 * p, 2, 2 * p, seed=53)
     x_ref = leaf(x)

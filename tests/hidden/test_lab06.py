@@ -22,12 +22,12 @@ pytestmark = pytest.mark.pure
 
 def letters(ops) -> str:
     """'F0 F1 B0 ...': the compute ops of a program (chunks left out)."""
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     return " ".join(f"{sch.LETTER[op.kind]}{op.microbatch}" for op in ops if op.kind in sch.COMPUTE)
 
 
 def test_06_1_1f1b_compute_order_of_two_stages_by_hand():
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     want = {
         (2, 3): ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"],
         (3, 4): ["F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
@@ -39,7 +39,7 @@ def test_06_1_1f1b_compute_order_of_two_stages_by_hand():
 
 
 def test_06_1_1f1b_stores_min_p_minus_s_m_activations():
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     for p, m in [(4, 8), (4, 2), (3, 1), (5, 5), (6, 3)]:
         programs = [sch.schedule_1f1b(p, m, s) for s in range(p)]
         got = [sch.peak_activations(ops) for ops in programs]
@@ -60,7 +60,7 @@ def by_definition(p: int, v: int, m: int, backward: bool) -> list[tuple[int, int
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (3, 2, 6), (4, 3, 4), (3, 4, 3)])
 def test_06_2_interleaved_orders_are_the_definitions(p, v, m):
-    sch = impl("schedules")
+    sch = impl("pipeline.schedules")
     for s in range(p):
         ops = sch.schedule_interleaved(p, m, s, v)
         fwd = [(op.microbatch, op.chunk) for op in ops if op.kind == sch.FORWARD]

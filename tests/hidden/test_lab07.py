@@ -25,7 +25,7 @@ FAST = {"timeout": 40, "comm_timeout": 3}
 
 @pytest.mark.pure
 def test_07_1_pieces_of_hand_made_plans():
-    zero = impl("zero")
+    zero = impl("zero.stages")
     Piece = zero.Piece
     # [3, 5, 2] over 4 ranks: S = 3, buffer [t0 t0 t0 | t1 t1 t1 | t1 t1 t2 | t2 pad pad]
     plan = zero.partition([3, 5, 2], 4)
@@ -69,7 +69,7 @@ def unused_and_freed(comm, stage: int) -> None:
     """Two steps of AdamW (weight decay 0.1): the unused Linear keeps its values and no
     gradient; the used one equals one process; no model parameter holds a full .grad after
     the gradients are synced."""
-    zero = impl("zero")
+    zero = impl("zero.stages")
     p, r = comm.world_size, comm.rank
     xs, ys = data(p)
     ref, model = Two(), Two()
@@ -104,7 +104,7 @@ def test_07_2_unused_parameters_stay_put_and_no_full_gradient_is_left(stage):
 def clipped(comm, stage: int, max_norm: float) -> None:
     """A Linear(1, 1): 2 elements over 4 ranks, so ranks 2 and 3 hold only padding. One SGD
     step after clip_grad_norm_(max_norm): the norm and the parameters equal one process's."""
-    zero = impl("zero")
+    zero = impl("zero.stages")
     p, r = comm.world_size, comm.rank
     g = torch.Generator().manual_seed(72)
     xs, ys = (

@@ -41,7 +41,7 @@ def grad_of(worker: int, delay: float = 0.0):
 
 def run(comm, n_servers: int, steps: list[int], staleness, delays: list[float], timeout=20.0):
     """Servers return (events, final shard, left, lost); workers their WorkerLog's pushes."""
-    ps = impl("parameter_server")
+    ps = impl("sgd.parameter_server")
     if comm.rank < n_servers:
         lo, hi = ps.shard_range(D, n_servers, comm.rank)
         w = torch.linspace(-1, 1, D, dtype=F64)[lo:hi].clone()
@@ -66,7 +66,7 @@ def lockstep(events: list) -> list[str]:
 
 @pytest.mark.threads
 def test_08_1_a_slow_worker_holds_the_fast_ones_in_lockstep():
-    impl("parameter_server")  # loaded before the threads race to load it
+    impl("sgd.parameter_server")  # loaded before the threads race to load it
     results = run_threads(run, 4, 1, [3, 3, 3], 0, [0.15, 0.0, 0.0], timeout=30, comm_timeout=3)
     events, _, left, lost = results[0]
     assert not lost and left == {0: 3, 1: 3, 2: 3}, (left, lost)
@@ -75,7 +75,7 @@ def test_08_1_a_slow_worker_holds_the_fast_ones_in_lockstep():
 
 @pytest.mark.threads
 def test_08_1_a_worker_that_leaves_early_does_not_hold_the_rest():
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     results = run_threads(run, 4, 1, [1, 4, 4], 0, [0.0] * 3, timeout=30, comm_timeout=3)
     events, _, left, lost = results[0]
     assert not lost and left == {0: 1, 1: 4, 2: 4}, (left, lost)
@@ -84,7 +84,7 @@ def test_08_1_a_worker_that_leaves_early_does_not_hold_the_rest():
 
 @pytest.mark.threads
 def test_08_2_one_worker_over_two_servers_is_plain_sgd_bitwise():
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     results = run_threads(run, 3, 2, [5], None, [0.0], timeout=30, comm_timeout=3)
     w = torch.linspace(-1, 1, D, dtype=F64)
     grad = grad_of(0)
@@ -99,7 +99,7 @@ def test_08_2_one_worker_over_two_servers_is_plain_sgd_bitwise():
 def silent_worker(comm) -> object:
     """Two servers, workers 0 and 1: worker 1 goes silent (alive, in its gradient) for 2 s
     after one step; the servers drop it after 1 s; worker 0 finishes its 3 steps."""
-    ps = impl("parameter_server")
+    ps = impl("sgd.parameter_server")
     if comm.rank < 2:
         lo, hi = ps.shard_range(D, 2, comm.rank)
         w = torch.zeros(D, dtype=F64)[lo:hi].clone()
@@ -121,7 +121,7 @@ def silent_worker(comm) -> object:
 
 @pytest.mark.threads
 def test_08_3_a_silent_worker_is_dropped_by_every_server_for_its_silence():
-    impl("parameter_server")
+    impl("sgd.parameter_server")
     results = run_threads(silent_worker, 4, timeout=30, comm_timeout=5)
     for s in range(2):
         left, lost = results[s]

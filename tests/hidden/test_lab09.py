@@ -27,7 +27,7 @@ FAST = {"timeout": 30, "comm_timeout": 3}
 def uneven_tensors(comm, bad_rank: int) -> bool:
     """Rank 0 holds no tensors, rank 1 two, rank 2 one; rank `bad_rank` (if it holds any)
     puts an inf in its last: every rank must give the same answer."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     r = comm.rank
     tensors = [torch.ones(3) * (i + 1) for i in range(r if r < 2 else 1)]
     if r == bad_rank and tensors:
@@ -46,7 +46,7 @@ def test_09_1_ranks_holding_different_tensors_agree(bad_rank):
 
 @pytest.mark.pure
 def test_09_2_the_scale_over_a_written_out_sequence():
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     scaler = amp.LossScaler(8.0, growth_interval=2)
     steps = [False, False, True, False, True, False, False, False]
     want = [8.0, 16.0, 8.0, 8.0, 4.0, 4.0, 8.0, 8.0]
@@ -73,7 +73,7 @@ class Net(nn.Module):
 def one_rank_overflows(comm) -> list[int]:
     """Step 0: rank 2's loss is inf, so every rank skips (the scale 16 -> 8, nothing moves);
     step 1: every rank steps, the model equal to its masters and to one process's SGD step."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     f64 = amp.Precision(F64, F64, F64)
     p, r = comm.world_size, comm.rank
     model = Net()
@@ -124,7 +124,7 @@ def test_09_3_one_rank_overflows_and_every_rank_skips_with_the_scale_halved():
 def two_stages_one_overflow(comm) -> list[int]:
     """Ranks {0, 1} and {2, 3} are two dp groups (two pipeline stages); rank 3's loss is inf
     at step 1; overflow_comm is the world: every rank of both stages skips step 1 alone."""
-    amp = impl("amp")
+    amp = impl("mixed_precision.amp")
     f64 = amp.Precision(F64, F64, F64)
     dp_comm = comm.split(comm.rank // 2)
     model = Net()

@@ -22,7 +22,7 @@ F64 = torch.float64
 
 
 def test_10_1_predicted_peak_on_a_written_out_table():
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     a, b = 1000, 7  # one block's saved bytes, its input's
     table = {
         (6, 2): 2 * b + 2 * a,  # c = 3, s = 2: the last segment (2 inputs held) is the peak
@@ -39,7 +39,7 @@ def test_10_1_predicted_peak_on_a_written_out_table():
 
 
 def twice(use_checkpoint: bool) -> dict:
-    ck = impl("checkpointing")
+    ck = impl("checkpointing.recompute")
     g = torch.Generator().manual_seed(10)
     w = torch.randn(3, 3, generator=g, dtype=F64, requires_grad=True)
     x = torch.randn(4, 3, generator=g, dtype=F64, requires_grad=True)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.pure
 
 
 def test_11_1_warmup_rates_at_written_out_steps():
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     cases = [  # (step, peak, W, T, start): the rate
         ((0, 2.0, 4, 10, 0.25), 2.0 * (0.25 + 0.75 / 4)),
         ((1, 2.0, 4, 10, 0.25), 2.0 * (0.25 + 0.75 * 2 / 4)),
@@ -36,7 +36,7 @@ def test_11_1_warmup_rates_at_written_out_steps():
 
 
 def test_11_2_decay_rates_at_written_out_steps():
-    lr = impl("lr")
+    lr = impl("large_batches.lr")
     cos = (1 + math.cos(math.pi / 4)) / 2  # u at t = 1/4
     cases = [  # (step, peak, W, T, decay, final): the rate
         ((2, 1.0, 2, 6, "linear", 0.1), 1.0),  # t = 0: the peak

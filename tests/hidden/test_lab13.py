@@ -21,14 +21,14 @@ A_IN, B_IN, A_OUT, B_OUT = 1e-6, 100e9, 5e-6, 10e9
 
 
 def cluster(g: int):
-    c = impl("cluster")
+    c = impl("cluster.hardware")
     gpu = c.GPU("toy", 1e15, 80e9, 2e12, 500.0)
     intra, inter = c.Link("nv", A_IN, B_IN), c.Link("ib", A_OUT, B_OUT)
     return c.Cluster("toy", gpu, g, intra, inter, 4000.0, 2.0, 1.2)
 
 
 def test_13_1_rings_on_a_hand_made_cluster():
-    c, two = impl("cluster"), cluster(2)
+    c, two = impl("cluster.hardware"), cluster(2)
     hop_in = lambda chunk: A_IN + chunk / B_IN  # noqa: E731
     hop_out = lambda chunk: A_OUT + chunk / B_OUT  # noqa: E731
     # ranks 0 1 | 2 3: hops in, out, in, out; 3 steps of 1 kB: the chain's dearest run of
@@ -50,7 +50,7 @@ def test_13_1_rings_on_a_hand_made_cluster():
 
 
 def test_13_2_hierarchical_all_reduce_on_a_hand_made_cluster():
-    c = impl("cluster")
+    c = impl("cluster.hardware")
     n_bytes = 8e6
     cases = [  # (g, p): the two rings in a node + the ring of n across nodes on 1/g
         (2, 2, 2 * (A_IN + n_bytes / 2 / B_IN)),

@@ -34,7 +34,7 @@ def keep_by_loop(choices: torch.Tensor, n_experts: int, cap: int) -> torch.Tenso
 
 @pytest.mark.pure
 def test_14_1_keep_mask_equals_a_loop_over_assignments_in_priority_order():
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     gen = torch.Generator().manual_seed(14)
     for n in (0, 1, 7, 30):
         for n_experts, k in ((1, 1), (3, 1), (3, 2), (8, 2)):
@@ -51,7 +51,7 @@ def test_14_1_keep_mask_equals_a_loop_over_assignments_in_priority_order():
 def test_14_2_switch_aux_loss_value_and_gradient_for_other_shapes(dtype):
     """alpha E sum_i f_i P_i, and its gradient alpha E f_j / n on every probs[t, j] (f has no
     gradient); an empty group pays 0, still connected to the router."""
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     gen = torch.Generator().manual_seed(15)
     n, n_experts, alpha = 7, 5, 0.3
     probs = torch.softmax(torch.randn(n, n_experts, generator=gen, dtype=dtype), -1)
@@ -77,7 +77,7 @@ def collapsed(comm) -> None:
     """Every token of every rank picks the last rank's first expert (a constant feature times a
     large router weight): the layer still equals MoE on each group, dx and that expert's
     gradient included; the other experts get no rows."""
-    ep = impl("expert_parallel")
+    ep = impl("expert_parallel.moe")
     p, r, d, n = comm.world_size, comm.rank, 3, 4
     n_experts = 2 * p
     target = n_experts - 2  # the last rank's first expert

@@ -30,7 +30,7 @@ def attention(q, k, v, mask=None):
 
 @pytest.mark.pure
 def test_15_1_merge_of_two_key_sets_of_different_sizes_equals_one_softmax():
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     gen = torch.Generator().manual_seed(151)
     q = torch.randn(1, 2, 3, 5, generator=gen, dtype=F64)  # (B, H, m, d)
     k, v = (torch.randn(1, 2, 6, 5, generator=gen, dtype=F64) for _ in range(2))
@@ -49,7 +49,7 @@ def test_15_1_merge_of_two_key_sets_of_different_sizes_equals_one_softmax():
 def test_15_1_merge_survives_log_sum_exps_far_past_exps_range():
     """lse 1e4 and 1e4 - 1 (exp overflows at 710), 800 against -800, and -inf (no keys yet) on
     either side: the weights are sigmoid(lse - lse_block), never nan."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     a = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64).view(1, 1, 4, 1)  # (B, H, m, d)
     b = torch.tensor([10.0, 20.0, 30.0, 40.0], dtype=F64).view(1, 1, 4, 1)
     lse_a = torch.tensor([1e4, 800.0, -math.inf, 5.0], dtype=F64).view(1, 1, 4)
@@ -66,7 +66,7 @@ def test_15_1_merge_survives_log_sum_exps_far_past_exps_range():
 def ring_forward(comm, layout: str, m: int, scale: float) -> None:
     """ring_attention's forward on this rank's tokens equals causal attention over the whole
     sequence (q scaled: scores of about scale)."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     cp, r = comm.world_size, comm.rank
     chunks = cpm.chunks_of(cp, r, layout)
     t = m * cp * len(chunks)
@@ -91,7 +91,7 @@ def test_15_2_five_ranks_odd_chunks_and_scores_of_1e4(layout):
 def two_block_grads(diagonal_second: bool):
     """block_grads summed over two key blocks, with the final lse and delta, against autograd
     of one softmax over both blocks: (got, want) pairs of dq, dk, dv."""
-    cpm = impl("context_parallel")
+    cpm = impl("context_parallel.ring_attention")
     gen = torch.Generator().manual_seed(153)
     m, d = 4, 3
     q = torch.randn(2, 1, m, d, generator=gen, dtype=F64, requires_grad=True)

@@ -8,7 +8,7 @@ import signal
 import minidist
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.train import TrainConfig, build_job, train_step
-from minidist.schedules import FORWARD
+from minidist.pipeline.schedules import FORWARD
 
 comm = minidist.init()
 model = GPTConfig(seq_len=16, d_model=16, n_heads=4, d_ff=32, n_layers=2)

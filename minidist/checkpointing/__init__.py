@@ -1,0 +1,4 @@
+"""Activation checkpointing: keep less of the forward, recompute it in backward (lesson 10).
+
+recompute.py  checkpoint(fn, ...) and CheckpointedSequential, with the predicted peak memory
+"""

@@ -1,0 +1,10 @@
+"""Beyond one machine: the cluster as data, a simulated cluster and the planner (lesson 13).
+
+hardware.py   GPUs, links and clusters with their sources; the time of a message and of each
+              all-reduce algorithm on them
+simulate.py   minidist's own code run on a simulated cluster, in simulated time
+plan.py       one layout priced: time, memory, bytes per dimension
+search.py     every layout of a cluster, ranked
+calibrate.py  this machine measured, as a cluster
+cli.py        `minidist plan`
+"""

@@ -1,0 +1,293 @@
+"""`minidist plan`: the best layouts of a model on a cluster, their time, memory, energy, cost.
+
+    minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
+    minidist plan --model llama-70b --cluster dgx-h100 --gpus 512 --batch 1024 --tokens 2e12
+    minidist plan --layers 32 --hidden 4096 --heads 32 --vocab 50304 --seq-len 2048 ...
+    minidist plan ... --recompute full --no-sp --zero 1 --no-flash   # what your framework has
+    minidist plan --model llama3-405b --cluster dgx-h100 --gpus 8192 --batch 2048 --ends
+    minidist plan ... --json         # one object: every feasible layout's numbers
+    minidist plan ... --png out/plan.png                     # the time breakdown, drawn
+    minidist bench p2p -n 2 --backend mpi --json > p2p.json
+    minidist plan --cluster this --calibration p2p.json --gpus 2 --batch 16   # this machine
+    minidist plan ... --dp 2 --tp 1 --microbatch-size 2     # only layouts with these numbers
+
+Prints the best layouts (plan_search.search) with the step time by part, tokens/s, MFU, memory per
+GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
+PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
+refused for which reason. Bad input is refused with one line per reason (exit 2).
+`--cluster this` is this computer, one rank per core, as cluster/calibrate.py measures it: alpha and
+B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
+own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
+seconds), its memory the RAM's share; the layouts are those `minidist train` runs, priced as it
+runs them (float32, no overlap), MFU of the measured rate; the model defaults to minidist's
+GPT (train's defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, replace
+
+from minidist.cluster import calibrate, plan
+from minidist.cluster import hardware as clusters
+from minidist.cluster import search as plan_search
+
+PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
+ONLY = ("dp", "pp", "tp", "microbatch_size", "chunks")  # the --flags that pick layouts
+POSITIVE = ("gpus", "batch", "top", "layers", "hidden", "heads", "ffn", "vocab", "seq_len", *ONLY)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the best layouts of a model on a cluster, from formulas")
+    models = ", ".join(plan.SHAPES)
+    p.add_argument("--model", help=f"one of {models} (gpt3-175b; minidist with --cluster this)")
+    for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq-len"):
+        p.add_argument(f"--{flag}", type=int, help="override the model's shape")
+    p.add_argument(
+        "--cluster", default="dgx-a100", help=f"one of {', '.join(clusters.PRESETS)}, this"
+    )
+    p.add_argument(
+        "--calibration", help="with --cluster this: `minidist bench p2p --json`'s output"
+    )
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--batch", type=int, default=512, help="sequences per step, all GPUs")
+    p.add_argument("--tokens", type=float, default=300e9, help="the run's token budget")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), help="only this one")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
+    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
+    p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
+    p.add_argument(
+        "--ends", action="store_true", help="the embedding and the head as stages (Llama 3)"
+    )
+    for flag in ONLY:
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, help="only layouts with this")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--png", help="draw the time breakdown of the best layouts here")
+    p.set_defaults(func=main)
+
+
+def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
+    """The shape and cluster the flags ask for, and every reason they cannot be used."""
+    found = []
+    args.model = args.model or ("minidist" if args.cluster == "this" else "gpt3-175b")
+    if args.model not in plan.SHAPES:
+        found.append(f"unknown model {args.model!r}; known: {', '.join(plan.SHAPES)}")
+    if args.cluster == "this" and not args.calibration:
+        found.append("--cluster this needs --calibration FILE (minidist bench p2p --json)")
+    elif args.calibration and not os.path.isfile(args.calibration):
+        found.append(f"--calibration {args.calibration}: no such file")
+    elif args.cluster not in clusters.PRESETS and args.cluster != "this":
+        found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
+    for flag in POSITIVE:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            found.append(f"--{flag.replace('_', '-')}={value} must be at least 1")
+    if not args.tokens > 0:
+        found.append(f"--tokens={args.tokens} must be positive")
+    if args.ends and args.cluster == "this":
+        found.append("--ends: minidist train's pipeline gives the embedding and head no stages")
+    if args.png and not os.path.isdir(os.path.dirname(os.path.abspath(args.png))):
+        found.append(f"--png {args.png}: its folder does not exist")
+    if found:
+        return None, None, found
+    shape = derived_shape(args)
+    if shape.hidden % shape.heads:
+        found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
+    if args.cluster != "this":
+        return shape, clusters.preset(args.cluster), found
+    found += calibrate.problems(shape)
+    try:
+        return shape, calibrate.Machine(args.calibration, shape), found
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        return shape, None, [*found, f"--calibration {args.calibration}: {e}"]
+
+
+def derived_shape(args) -> plan.Shape:
+    """The --model's shape with the shape flags applied; renamed "custom (<model> with
+    <changes>)" if any changes it. The FFN keeps its ratio to the width unless --ffn is given."""
+    shape = plan.SHAPES[args.model]
+    changes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads}
+    changes |= {"ffn": args.ffn, "vocab": args.vocab, "seq": args.seq_len}
+    if args.hidden and args.ffn is None:
+        changes["ffn"] = shape.ffn * args.hidden // shape.hidden
+    changes = {k: v for k, v in changes.items() if v is not None and v != getattr(shape, k)}
+    if not changes:
+        return shape
+    what = ", ".join(f"{k}={v}" for k, v in changes.items())
+    return replace(shape, name=f"custom ({shape.name} with {what})", **changes)
+
+
+def _allowed(args, layout: plan.Layout) -> bool:
+    x = layout
+    value = {"dp": x.dp, "pp": x.pp, "tp": x.tp, "microbatch_size": x.b, "chunks": x.v}
+    picked = all(getattr(args, f) in (None, value[f]) for f in ONLY)
+    return (
+        picked
+        and (args.recompute is None or layout.recompute == args.recompute)
+        and (args.zero is None or layout.zero == args.zero)
+        and not (args.no_sp and layout.sp)
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    shape, cluster, found = _inputs(args)
+    if found:
+        for line in found:
+            print(f"minidist plan: {line}", file=sys.stderr)
+        return 2
+    allowed, machine = (lambda x: _allowed(args, x)), None  # noqa: E731
+    if isinstance(cluster, calibrate.Machine):  # measured: each layout on its own rate
+        machine, cluster = cluster, cluster.cluster
+        ok, refused = machine.search(args.gpus, args.batch, allowed)
+        rows = [_row(shape, machine.cluster_for(q.layout), args, q) for q in ok]
+    else:
+        flash = not args.no_flash
+        ok, refused = plan_search.search(
+            shape, cluster, args.gpus, args.batch, None, flash, allowed, ends=args.ends
+        )
+        rows = [_row(shape, cluster, args, q) for q in ok]
+    if not ok:
+        _refuse_all(shape, cluster, args, refused)
+        return 2
+    measured = machine.measured() if machine else None  # --cluster this
+    if args.json:
+        got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
+        print(json.dumps(got | ({"measured": measured} if measured else {})))
+    else:
+        _print(shape, cluster, args, rows[: args.top], refused)
+        _why(rows)
+        if measured:
+            rates = ", ".join(f"{k} {v:.1f}" for k, v in measured["gflop_s"].items())
+            print(f"measured: a = {measured['latency_us']:.1f} us, B = ", end="")
+            print(f"{measured['bandwidth_gb_s']:.2f} GB/s, copy {measured['copy_gb_s']:.1f} GB/s;")
+            print(f"a core's GFLOP/s on the block: {rates}")
+    if args.png:
+        _draw(rows[: args.top], args.png)
+    return 0
+
+
+def _refuse_all(shape, cluster, args, refused) -> None:
+    """No layout runs: say so, and what the leanest one would need."""
+    say = lambda line: print(f"minidist plan: {line}", file=sys.stderr)  # noqa: E731
+    say(f"no layout of {shape.name} runs on {args.gpus} GPUs of {cluster.name}")
+    sized = [q for q in refused if q.memory]
+    if sized:
+        lean = min(sized, key=lambda q: sum(q.memory.values()))
+        say(f"the leanest, {_name(asdict(lean.layout))}: {lean.why_not[0]}")
+    for reason, n in _reasons(refused).most_common(3):
+        say(f"{n} layouts: {reason}")
+
+
+def _reasons(refused) -> Counter:
+    """How many layouts each kind of reason refused (the numbers in it stripped)."""
+    kinds = Counter()
+    for q in refused:
+        for why in q.why_not:
+            kinds[why.split(";")[0] if why.startswith("needs") else why] += 1
+    return kinds
+
+
+def _row(shape, cluster, args, q: plan.Plan) -> dict:
+    tokens_per_s = args.batch * shape.seq / q.seconds
+    days = args.tokens / tokens_per_s / 86400
+    gpu_hours = days * 24 * args.gpus
+    watts = cluster.node_watts / cluster.gpus_per_node * args.gpus * cluster.pue
+    return {
+        "layout": asdict(q.layout),
+        "seconds": q.seconds,
+        "parts": q.parts,
+        "memory_gb": {k: v / 1e9 for k, v in q.memory.items()},
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(shape, cluster, args.gpus, args.batch, q.seconds),
+        "days": days,
+        "mwh": watts * days * 24 / 1e6,
+        "usd": gpu_hours * cluster.usd_per_gpu_hour,
+    }
+
+
+def mfu(
+    shape: plan.Shape, cluster: clusters.Cluster, gpus: int, batch: int, seconds: float
+) -> float:
+    """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
+    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
+    model = 3 * shape.forward_flops_per_token() * batch * shape.seq
+    return model / (seconds * gpus * cluster.gpu.peak_flops)
+
+
+def _name(layout: dict) -> str:
+    x = layout
+    sp = (" sp" if x["sp"] else "") + (" ends" if x.get("ends") else "")
+    return (
+        f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}{sp}"
+    )
+
+
+def count(n: float) -> str:
+    """A parameter count as people write it: 175.0B, 124.4M, 12.3K."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _print(shape, cluster, args, rows, refused) -> None:
+    print(f"{shape.name} ({count(shape.params())}) on {args.gpus} x {cluster.gpu.name},")
+    print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
+    unit, scale = ("s", 1) if rows[0]["seconds"] >= 1 else ("ms", 1e3)  # a toy's step: ms
+    head = f"{'layout':38} {'step ' + unit:>7} " + " ".join(f"{p:>6}" for p in PARTS)
+    print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")
+    for r in rows:
+        parts = " ".join(f"{r['parts'][p] * scale:6.2f}" for p in PARTS)
+        gb, step = sum(r["memory_gb"].values()), r["seconds"] * scale
+        money = f"{r['days']:6.1f} {r['mwh']:7.1f} {r['usd'] / 1e6:6.2f}"
+        print(f"{_name(r['layout']):38} {step:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}")
+    memory = [q for q in refused if q.why_not[0].startswith("needs")]
+    print(f"refused: {len(memory)} layouts do not fit in memory, {len(refused) - len(memory)} do")
+    print("not divide the model, the batch or the GPUs")
+
+
+def _why(rows) -> None:
+    """Why the best wins: against the best layout on another dp x pp x tp grid."""
+    grid = lambda r: (r["layout"]["dp"], r["layout"]["pp"], r["layout"]["tp"])  # noqa: E731
+    other = next((r for r in rows if grid(r) != grid(rows[0])), None)
+    if other is None:
+        return
+    best = rows[0]
+    gap = {p: other["parts"][p] - best["parts"][p] for p in PARTS}
+    part = max(gap, key=gap.get)
+    ahead = other["seconds"] / best["seconds"] - 1
+    print(f"why the best wins: {ahead:.1%} faster than the best on another grid")
+    unit, scale = ("s", 1) if best["seconds"] >= 1 else ("ms", 1e3)
+    ours, theirs = best["parts"][part] * scale, other["parts"][part] * scale
+    print(f"({_name(other['layout'])}), most of it in {part}: {ours:.2f} {unit} against")
+    print(f"{theirs:.2f} {unit}")
+
+
+def _draw(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
+    names = [_name(r["layout"]) for r in rows][::-1]
+    left = [0.0] * len(rows)
+    for p in PARTS:
+        widths = [r["parts"][p] for r in rows][::-1]
+        ax.barh(names, widths, left=left, label=p)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("seconds per step (formulas)")
+    ax.legend(title="part of the step", loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":  # python -m minidist.cluster.cli ...
+    parser = argparse.ArgumentParser(prog="minidist")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    sys.exit(main(parser.parse_args(["plan", *sys.argv[1:]])))

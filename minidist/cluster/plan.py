@@ -1,0 +1,392 @@
+"""Planning a large run: which layouts fit, how long a step takes, and why, from formulas.
+
+Equals: nothing runs here; every number is a formula of the model's shape, the layout and the
+cluster (cluster/hardware.py), each stated below with its source; tests/test_plan*.py check them
+against minidist's own code (bytes, memory) and tests/test_published_runs.py against published runs.
+Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam):
+    model state   4 + 12/dp (ZeRO-1), 2 + 14/dp (ZeRO-2), 16/dp (ZeRO-3) bytes per parameter
+                  (Rajbhandari et al., SC 2020, section 3.1); without ZeRO 20, the paper's 16
+                  and the float32 copy of the gradients Megatron-LM's optimizer steps on (its
+                  docs: 20 for fp16 parameters and gradients); Psi_g of the first stage: its
+                  layers and the embedding (and the output layer if pp = 1);
+                  float32 (e = 4): 16, 8 + 12/dp, 4 + 16/dp, 20/dp (ZeRO keeps a float32
+                  master, as minidist's does); ZeRO-3 also one layer's gathered parameters
+    activations   per layer and microbatch of b sequences of s tokens (Korthikanti et al.,
+                  2022, table 2): s b h (10 + 24/t + 5 a s/(h t)); with sequence parallelism
+                  s b h (34 + 5 a s/h)/t; selective recompute drops the 5 a s/h term; full
+                  recompute keeps 2 s b h (/t with sp) per layer. The first stage of 1F1B holds
+                  min(pp, m) microbatches of L/pp layers, x (1 + (pp-1)/(pp v)) interleaved
+                  (Narayanan et al., SC 2021, section 2.2.2); with ends (Llama 3's pipeline:
+                  the embedding and the head fill a layer's slot each, Dubey et al., 2024,
+                  section 3.3.2) the second stage, a layer fuller, may hold the most.
+Time per step (the slowest stage):
+    compute       FLOPs / (peak x efficiency x matmul_share: what tile and wave quantization
+                  leave of the rate); a token's forward is 2 Psi_matmul + 4 s h L (attention
+                  scores) + 2 V h (logits), training 3x that, + the layers' forward again with
+                  full recompute (Narayanan et al., SC 2021, section 5.1); split over tp, the
+                  layers over pp, the logits on the last stage (Dubey et al., 2024, section
+                  3.3.2); + the elementwise ops' bytes / memory bandwidth: 5 passes over the
+                  activations each layer keeps (7 with full recompute)
+    pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
+                  the fullest stage without the head (they fill and drain the pipe)
+    tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
+                  recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
+                  stage and 1 for the output layer (backward) on the last (both if pp = 1),
+                  on the node's links if tp <= g, else on the network
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (on the
+                  network if they span nodes), all-gathered over tp on arrival (Narayanan et
+                  al., section 4.1); s b h, not gathered, as minidist's pipeline sends them
+    data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
+                  microbatch), less what hides behind backward (ZeRO-3: all compute)
+Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown;
+sent_nbytes: the bytes it prices) -> plan_search.search (every layout of a GPU count, the
+feasible ones ranked) -> plan_cli (`minidist plan`); cluster/calibrate.py: this machine, measured.
+Paper: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC 2021); Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (2022).   Lesson: lessons/13_beyond_one_machine/.
+Run: minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from minidist.cluster.hardware import Cluster, ring_all_reduce_seconds, wave_share
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer: layers, hidden size, heads (kv_heads < heads: grouped
+    queries), FFN size, vocabulary, sequence length; glu: a gated MLP (3 matrices, Llama)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    kv_heads: int = 0  # 0: as many as heads
+    glu: bool = False
+    dropout: bool = True  # its masks are stored for backward (Korthikanti et al. count them)
+
+    def layer_params(self) -> int:
+        """Parameters of one layer's matrices (biases and norms are < 0.1%: left out)."""
+        h, kv = self.hidden, self.kv_heads or self.heads
+        attention = 2 * h * h + 2 * h * (h * kv // self.heads)  # q, out; k, v
+        return attention + (3 if self.glu else 2) * h * self.ffn
+
+    def params(self) -> int:
+        """Every parameter: the layers, the token embedding and an untied output layer."""
+        return self.layers * self.layer_params() + 2 * self.vocab * self.hidden
+
+    def layers_flops_per_token(self) -> int:
+        """The layers' forward: matmuls 2 x their parameters, attention scores 4 s h each."""
+        return self.layers * (2 * self.layer_params() + 4 * self.seq * self.hidden)
+
+    def forward_flops_per_token(self) -> int:
+        """The whole forward: the layers, then the logits' 2 V h."""
+        return self.layers_flops_per_token() + 2 * self.vocab * self.hidden
+
+    def step_flops_per_token(self, recompute: str = "none") -> int:
+        """Forward and backward (3 forwards), plus what recompute runs again: full, the layers'
+        forward (not the logits: Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh)); selective,
+        the attention scores' forward."""
+        again = {"none": 0, "full": self.layers_flops_per_token()}
+        again["selective"] = 4 * self.seq * self.hidden * self.layers
+        return 3 * self.forward_flops_per_token() + again[recompute]
+
+
+# [GPT3] Brown et al., "Language Models are Few-Shot Learners" (2020), table 2.1; vocabulary
+#        padded to 51,200 as Megatron-LM does. [LLAMA2] Touvron et al., "Llama 2" (2023), table 1
+#        and the released configs; no dropout (the released code has no dropout layer).
+#        [LLAMA3] Dubey et al., "The Llama 3 Herd of Models" (2024), table 3.
+SHAPES = {
+    "gpt3-175b": Shape("GPT-3 175B", 96, 12288, 96, 4 * 12288, 51200, 2048),  # [GPT3]
+    "llama-70b": Shape("Llama 2 70B", 80, 8192, 64, 28672, 32000, 4096, 8, True, False),  # [LLAMA2]
+    "llama-7b": Shape("Llama 2 7B", 32, 4096, 32, 11008, 32000, 4096, 0, True, False),  # [LLAMA2]
+    "llama3-405b": Shape("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 8, True, False),
+    "minidist": Shape("minidist's GPT", 4, 64, 4, 256, 256, 64, dropout=False),  # train's
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
+    microbatch size b, recompute (none | selective | full), sequence parallelism, scatter (a
+    tp rank sends 1/tp of an activation on, the next stage all-gathers; minidist sends all),
+    ends (the embedding and the head take a layer's slot each: the first chunk holds only the
+    embedding, the last only the head, as Llama 3 takes a layer off the first and last stage)."""
+
+    dp: int
+    pp: int
+    tp: int
+    v: int = 1
+    zero: int = 0
+    b: int = 1
+    recompute: str = "none"
+    sp: bool = False
+    scatter: bool = True  # a stage sends 1/tp of an activation (Narayanan et al., section 4.1)
+    ends: bool = False  # the embedding and the head take a layer's slot each (Dubey et al., 3.3.2)
+
+    def microbatches(self, batch: int) -> int:
+        return batch // (self.dp * self.b)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What the formulas cannot know: the fraction of peak FLOP/s matmuls reach when their tiles
+    fill the SMs (matmul_share takes the rest off), of the network's bandwidth the collectives
+    reach, of the window in which data-parallel traffic hides behind compute (backward, 2/3
+    of the compute, for gradients; all of it for ZeRO-3, which gathers parameters ahead of
+    forward too): exposed = max(0, t_dp - overlap x window). Calibrated: CALIBRATED."""
+
+    compute: float = 0.5
+    network: float = 1.0
+    overlap: float = 0.0  # of the window in which data-parallel traffic can flow
+
+
+def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
+    """Why this layout cannot run this shape at all (divisibility), with the numbers."""
+    found, x = [], layout
+    if x.dp * x.pp * x.tp != gpus:
+        found.append(f"dp={x.dp} x pp={x.pp} x tp={x.tp} != {gpus} GPUs")
+    if shape.layers + 2 * x.ends < x.pp * x.v:
+        ends = " + 2 ends" if x.ends else ""
+        found.append(f"layers={shape.layers}{ends} are fewer than pp={x.pp} x v={x.v} stages")
+    if x.ends and x.pp == 1:
+        found.append("the embedding and the head as stages (ends) need pp > 1")
+    if shape.heads % x.tp or (shape.kv_heads or shape.heads) % x.tp:
+        kv = shape.kv_heads or shape.heads
+        found.append(f"heads={shape.heads} (kv heads {kv}) are not divisible by tp={x.tp}")
+    if batch % (x.dp * x.b):
+        found.append(f"batch={batch} is not divisible by dp={x.dp} x b={x.b}")
+    elif x.v > 1 and x.microbatches(batch) % x.pp:
+        m = x.microbatches(batch)
+        found.append(f"interleaving needs microbatches={m} divisible by pp={x.pp}")
+    if x.sp and x.tp == 1:
+        found.append("sequence parallelism needs tp > 1")
+    return found
+
+
+def stage_layers(shape: Shape, layout: Layout) -> int:
+    """Layers on the fullest stage: v chunks of ceil(L / (pp v)) (uneven when pp v does not
+    divide L, as minidist's pipeline/partition.py and Megatron-DeepSpeed allow); with ends, L + 2
+    slots, the first chunk the embedding's, the last the head's (Llama 3's balanced pipeline), so
+    that a middle stage is the fullest (or, with pp = 2, both stages have a slot less)."""
+    x = layout
+    full = -(-(shape.layers + 2 * x.ends) // (x.pp * x.v)) * x.v
+    return full - 1 if x.ends and x.pp == 2 else full
+
+
+def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e: int = 2) -> dict:
+    """Bytes per GPU on the fullest stage: model state and activations (the docstring), and
+    with ZeRO-3 one layer's gathered parameters (freed layer by layer, as DeepSpeed does).
+    flash: attention that never stores the s x s scores (FlashAttention; Dao et al., 2022)
+    keeps no 5 a s/h term, as selective recompute. e: bytes of a value (2: mixed precision;
+    4: float32, each of Korthikanti et al.'s 2-byte values twice as large, and the model state
+    float32 parameters and gradients, Adam's two moments, with ZeRO also a float32 master as
+    minidist's zero/stages.py keeps one). Without dropout (shape.dropout) the per-layer constant is
+    8, not 10 (no two s b h masks), and the attention term 2 a s/h, not 5 (the softmax output is
+    the one s x s tensor kept)."""
+    x, h = layout, shape.hidden
+    layers = stage_layers(shape, x)
+    mixed = {0: 20, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
+    fp32 = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}
+    per_param = (mixed if e == 2 else fp32)[x.zero]
+    if x.recompute == "full":
+        per_layer = shape.seq * x.b * h * e / (x.tp if x.sp else 1)  # 2 s b h 2-byte values
+    else:
+        per_layer = layer_activation_bytes(shape, x, flash, e)
+    m = x.microbatches(batch)
+    # (layers, embeddings, rank r): the first stage holds the embedding (and the head if
+    # pp = 1); with ends it has a layer less, and the second (full, 2/v microbatches behind)
+    # may hold more; in flight: 1F1B's pp - r microbatches, or Megatron-LM's interleaved
+    # warm-up + 1 chunks, 2 (pp - r - 1) + (v - 1) pp + 1, of 1/v stage each
+    stages = [(layers, 2 if x.pp == 1 else 1, 0)]
+    if x.ends and x.pp > 2:
+        stages = [(layers - 1, 1, 0), (layers, 0, 1)]
+    memories = []
+    for n, ends, r in stages:
+        psi = (n * shape.layer_params() + ends * shape.vocab * h) / x.tp
+        chunks = 2 * (x.pp - r - 1) + (x.v - 1) * x.pp + 1
+        in_flight = min(x.pp - r, m) if x.v == 1 else chunks / x.v
+        activations = per_layer * n * in_flight
+        memories.append({"model state": psi * per_param, "activations": activations})
+    memory = max(memories, key=lambda d: sum(d.values()))
+    if x.zero == 3:
+        memory["gathered"] = e * max(shape.layer_params(), shape.vocab * h) / x.tp
+    return memory
+
+
+def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
+    """Bytes one layer keeps for backward per microbatch without full recompute (Korthikanti et
+    al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout)."""
+    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    t, sbh = x.tp, s * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
+    drop = 2 if shape.dropout else 0
+    scores = 5 if shape.dropout else 2
+    attention = 0 if x.recompute == "selective" or flash else scores * a * s / (h * t)
+    return sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
+
+
+def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
+    """Training FLOPs per token (all tp ranks) of the slowest stage, which sets the pace, and
+    of the fullest without the head, like those that fill and drain the pipe: the layers'
+    share of step_flops_per_token; the last stage, with what the ceil partition leaves it,
+    also runs the head's 3 x 2 V h (not recomputed), which makes it the latency bottleneck
+    (Dubey et al., 2024, section 3.3.2; Megatron-LM puts the head there too)."""
+    head = 3 * 2 * shape.vocab * shape.hidden
+    per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
+    x, fullest = layout, stage_layers(shape, layout)
+    if x.pp == 1:
+        return (fullest * per_layer + head,) * 2
+    slots, chunk = shape.layers + 2 * x.ends, -(-(shape.layers + 2 * x.ends) // (x.pp * x.v))
+    last = (x.v - 1) * chunk + max(0, slots - (x.pp * x.v - 1) * chunk) - x.ends
+    return max(fullest * per_layer, last * per_layer + head), fullest * per_layer
+
+
+def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
+    """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
+    quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), out (h/t -> h),
+    up (h -> f/t, twice if gated), down (f/t -> h). step() applies it to all of a stage's
+    FLOPs (the logits and attention scores are large products too: a simplification)."""
+    h, t, f = shape.hidden, layout.tp, shape.ffn
+    kv = h * (shape.kv_heads or shape.heads) // shape.heads
+    up = f * (2 if shape.glu else 1)
+    products = [(h, (h + 2 * kv) // t), (h // t, h), (h, up // t), (f // t, h)]
+    return wave_share(gpu, shape.seq * layout.b, products)
+
+
+def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
+    """Bytes the fullest stage's non-matmul work (norms, GELU, softmax, dropout, residual adds)
+    moves through memory per microbatch: each value a layer keeps for backward (without
+    recompute) is the input of an elementwise op y = f(x), which reads x and writes y in
+    forward, and reads x, reads dy and writes dx in backward: 5 passes, 7 with full recompute
+    (its forward runs again). A count, not a fit."""
+    kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
+    passes = 7 if layout.recompute == "full" else 5
+    return passes * kept * stage_layers(shape, layout)
+
+
+def step(
+    shape: Shape,
+    layout: Layout,
+    cluster: Cluster,
+    batch: int,
+    eff: Efficiency,
+    e: int = 2,
+    flash: bool = True,
+    psi: float = 0,
+) -> dict:
+    """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
+    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
+    is a roofline's two sides: the FLOPs at peak x efficiency x matmul_share, the rest of the work
+    (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
+    (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model)."""
+    x, h, s = layout, shape.hidden, shape.seq
+    m = x.microbatches(batch)
+    layers = stage_layers(shape, x)
+    rate = cluster.gpu.peak_flops * eff.compute * matmul_share(shape, x, cluster.gpu)
+    elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
+    slowest, fullest = (
+        f * s * x.b / x.tp / rate + elementwise for f in stage_flops_per_token(shape, x)
+    )
+    slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
+    net = replace(cluster, inter=slower)
+    act = e * s * x.b * h  # bytes of one activation tensor
+    tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
+    ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
+    t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
+    hop = net.link(0, (x.pp - 1) * x.tp)  # the slowest: the network if the stages span nodes
+    message = hop.latency + act / (x.tp if x.scatter else 1) / hop.bandwidth
+    if x.scatter:  # the receiving stage all-gathers the tp pieces (half an all-reduce)
+        message += tp_ar / 2
+    t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
+    psi_g = psi or shape.params() / (x.pp * x.tp)
+    # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
+    # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
+    rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
+    window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
+    # dp peers sit tp x pp ranks apart: g / (tp pp) of them on a node (at least 1)
+    dp_group = replace(net, gpus_per_node=max(1, net.gpus_per_node // (x.tp * x.pp)))
+    t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, e * psi_g) if x.dp > 1 else 0.0
+    optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
+    return {
+        "compute": m * slowest,
+        "bubble": (x.pp - 1) / x.v * (fullest + t_tp),
+        "tp": m * t_tp,
+        "pp": t_pp,
+        "dp": max(0.0, t_dp - eff.overlap * window * m * slowest),
+        "optimizer": optimizer,
+    }
+
+
+def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float = 0) -> dict:
+    """Bytes one rank of the first stage sends per step on each dimension's links, with ring
+    collectives (an all-reduce of N bytes over p ranks: 2 (p-1)/p N; a reduce-scatter or an
+    all-gather half that): what step() prices. psi: this rank's parameters (default the
+    plan's count: matrices and the embedding, memory_bytes' Psi).
+    tp   m (4 L_s + 1) all-reduces of an activation (6 L_s + 1 with full recompute; + 1 for
+         the output layer if pp = 1)
+    pp   m v activations on and m (v-1) gradients back (chunk 0 of the first stage gets none),
+         each 1/tp of the activation with scatter (then the m (2v - 1) it receives are each
+         all-gathered on the tp links: (tp-1)/tp of an activation sent)
+    dp   step()'s rounds of all-reduces of e psi bytes"""
+    x, m, act = layout, layout.microbatches(batch), e * shape.seq * layout.b * shape.hidden
+    ring = lambda p: 2 * (p - 1) / p  # noqa: E731
+    layers = stage_layers(shape, x)
+    ends = 2 if x.pp == 1 else 1
+    tp = m * (layers * (6 if x.recompute == "full" else 4) + ends) * act * ring(x.tp)
+    pp = m * (2 * x.v - 1) * act / (x.tp if x.scatter else 1) if x.pp > 1 else 0
+    tp += m * (2 * x.v - 1) * act * ring(x.tp) / 2 if x.scatter and x.pp > 1 else 0
+    psi = psi or (layers * shape.layer_params() + ends * shape.vocab * shape.hidden) / x.tp
+    rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
+    return {"dp": rounds * ring(x.dp) * e * psi, "pp": pp, "tp": tp}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout's verdict: memory per GPU (bytes), step time by part (s), and the
+    reasons it cannot run (empty if it can)."""
+
+    layout: Layout
+    memory: dict
+    parts: dict
+    why_not: tuple[str, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+
+def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9, e=2) -> Plan:
+    """The verdict on one layout; memory must fit in headroom x the GPU's memory (the rest:
+    the framework, fragmentation, buffers: an assumption). e: bytes of a value (step)."""
+    why = problems(shape, layout, gpus, batch)
+    if why:
+        return Plan(layout, {}, {}, tuple(why))
+    memory = memory_bytes(shape, layout, batch, flash, e)
+    total, room = sum(memory.values()), headroom * cluster.gpu.memory
+    if total > room:
+        gb = cluster.gpu.memory / 1e9
+        why = [f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"]
+    return Plan(layout, memory, step(shape, layout, cluster, batch, eff, e, flash), tuple(why))
+
+
+# Fitted on three published runs (tests/published_runs.py), checked on every other one: compute
+# on Megatron-LM's 145.6B on 1536 A100s (r06: Narayanan et al., SC 2021, table 1) and Llama 3
+# 405B on 8,192 H100s (r38: Dubey et al., 2024, table 4, laid out as its section 3.3.2 says:
+# ZeRO-2, an interleaved pipeline, ends, no recompute); network on ZeRO-3 with 174.6B on 1536
+# A100s (r12: Narayanan et al., table 2), where gradients and parameters dwarf the compute.
+# overlap is not fitted: 1.0, traffic hides while there is compute (0 after the last microbatch).
+CALIBRATED = {
+    "A100": Efficiency(compute=0.686, network=0.630, overlap=1.0),
+    "H100": Efficiency(compute=0.575, network=0.630, overlap=1.0),
+}
+
+
+def calibrated(cluster: Cluster) -> Efficiency:
+    """The calibrated efficiencies of the cluster's GPU: Hopper's (H100, H200) or the A100's."""
+    hopper = any(name in cluster.gpu.name for name in ("H100", "H200"))
+    return CALIBRATED["H100" if hopper else "A100"]

@@ -1,0 +1,50 @@
+"""Searching a run's layouts: every way to cut a GPU count, each judged by plan.evaluate, the
+feasible ones ranked by their step time.
+
+Equals: nothing runs here; the verdicts are cluster/plan.py's formulas, one layout at a time. A
+layout is listed if its dimensions multiply to the GPU count and tp stays within two nodes;
+plan.problems() refuses the rest with the numbers (divisibility, memory).
+Ladder: plan.Shape, plan.Layout -> plan.evaluate -> search -> plan_cli (`minidist plan`).
+Lesson: lessons/13_beyond_one_machine/.
+Run: minidist plan --model llama-70b --cluster dgx-h100 --gpus 512 --batch 1024
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+from minidist.cluster.hardware import Cluster
+from minidist.cluster.plan import Layout, Shape, calibrated, evaluate
+
+
+def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int, scatter=True, ends=False):
+    """Every layout worth a look: tp up to two nodes, pp up to the layers (uneven stages
+    allowed), b up to 8, v up to 4 (pp > 1), every ZeRO stage, recompute, sp; ends (the
+    embedding and the head as pipeline slots of their own) where pp > 1 if asked;
+    plan.problems() filters."""
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * cluster.gpus_per_node and gpus % t == 0):
+        for pp in (p for p in range(1, shape.layers + 1) if (gpus // tp) % p == 0):
+            for v, zero, b, recompute, sp in _options(tp):
+                if v == 1 or pp > 1:  # chunks of one stage interleave with nothing
+                    dp, end = gpus // (tp * pp), ends and pp > 1
+                    yield Layout(dp, pp, tp, v, zero, b, recompute, sp, scatter, end)
+
+
+def _options(tp: int):
+    """(v, zero, b, recompute, sp) for every layout of this tp."""
+    sps = (False, True) if tp > 1 else (False,)
+    return product((1, 2, 4), (0, 1, 2, 3), (1, 2, 4, 8), ("none", "selective", "full"), sps)
+
+
+def search(
+    shape, cluster, gpus, batch, eff=None, flash=True, allowed=None, e=2, scatter=True, ends=False
+) -> tuple[list, list]:
+    """(feasible plans, fastest first; the infeasible ones) over the layouts() allowed(x) takes
+    (default all). eff: plan.calibrated(cluster) unless given; e, scatter, ends: as plan.step()
+    and plan.Layout."""
+    eff = eff or calibrated(cluster)
+    candidates = layouts(shape, cluster, gpus, batch, scatter, ends)
+    candidates = [x for x in candidates if allowed is None or allowed(x)]
+    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e) for x in candidates]
+    ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
+    return ok, [q for q in plans if q.why_not]

@@ -1,0 +1,254 @@
+"""Data parallelism: every rank holds the whole model, takes an equal share of the batch, and the
+ranks average their gradients with an all-reduce before the optimizer step.
+
+Equals: one process training on the whole batch with the loss a mean over the batch, when each
+rank's loss is the mean over its equal share: grad_full = (1/p) sum_r grad_r. float64: 1e-12
+relative (the reduction order differs from the single-process sum); the replicas are bitwise
+identical to each other after every step.
+Communication per step, per rank (p ranks, N gradient elements of b bytes, P parameters): one
+all-reduce of N + P elements (a "used" flag rides along with each parameter); with the ring:
+2(p-1)/p * (N + P) * b bytes sent. Naive: P + 1 collectives; bucketed: one per bucket.
+Memory per rank: the whole model, its gradients and optimizer state (ZeRO removes that copy);
+bucketed: + the flat bucket buffers (none extra with grads_as_bucket_views: gradients live there).
+Ladder: DataParallelNaive (after backward, one all-reduce per parameter) -> DataParallelBucketed
+(buckets all-reduced asynchronously *during* backward, as soon as they fill: overlap) ->
+no_sync() (gradient accumulation: k micro-steps, one reduction).
+Paper: Li et al., PyTorch Distributed: Experiences on Accelerating Data Parallel Training (VLDB
+2020), sections 3.2-3.3.   Lesson: lessons/04_data_parallel/.
+Run: minidist run -n 2 --backend mpi lessons/04_data_parallel/demo.py
+
+Usage, either rung:
+
+    model = DataParallelBucketed(model, comm, bucket_bytes=1 << 20)   # broadcasts rank 0's weights
+    loss = loss_fn(model(x_local), y_local)                           # x_local: (B/p, ...)
+    loss.backward()
+    model.finish_gradient_sync()                                      # wait: grads now averaged
+    optimizer.step()
+
+Decisions a user must know:
+- Buffers (e.g. BatchNorm running statistics) are broadcast from rank 0 at wrap time and before
+  every forward, as in torch's DDP: rank 0's running statistics win.
+- Unused parameters: a parameter whose .grad is None on some ranks counts as zero there; one
+  whose .grad is None on *every* rank keeps grad None, exactly as in single-process training
+  (the flag that rides along with each parameter's gradient tells which case it is). A .grad
+  that exists but got nothing in this backward (accumulated in no_sync micro-steps, or zeroed
+  with set_to_none=False) is reduced as it is.
+- Uneven shares are rejected by `shard` (averaging per rank would weight samples unequally).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from minidist.collectives.algorithms import Launcher
+
+
+def shard(batch: torch.Tensor, comm) -> torch.Tensor:
+    """This rank's equal share of `batch` along dim 0: rows [r*B/p, (r+1)*B/p)."""
+    n, p = batch.shape[0], comm.world_size
+    if n % p != 0:
+        raise ValueError(f"batch={n} is not divisible by the data-parallel size p={p}")
+    return batch[comm.rank * n // p : (comm.rank + 1) * n // p]
+
+
+def broadcast_module(module: nn.Module, comm, src: int = 0, buffers_only: bool = False) -> None:
+    """Copy rank `src`'s parameters and buffers into every rank's module (in place)."""
+    tensors = list(module.buffers()) if buffers_only else [*module.parameters(), *module.buffers()]
+    with torch.no_grad():
+        for t in tensors:
+            comm.broadcast(t.data, src)
+
+
+def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Group tensors, in the given order, into buckets of at least `bucket_bytes` each.
+
+    A bucket closes as soon as it holds bucket_bytes or more, so a tensor larger than the limit
+    sits alone and the last bucket may be smaller. Returns lists of indices into `nbytes`.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be at least 1")
+    # lab 04.1 begin: walk nbytes in order, close a bucket once it holds >= bucket_bytes
+    buckets, current, filled = [], [], 0
+    for i, n in enumerate(nbytes):
+        current.append(i)
+        filled += n
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+    # lab 04.1 end
+
+
+def _used_and_average(flat: torch.Tensor, params: list, views: list, p: int) -> None:
+    """After the all-reduce of [grads..., flags...]: average the grads; a parameter whose flag
+    sums to 0 was unused on every rank and keeps grad None."""
+    # lab 04.3 begin: flags = the last P elements; divide each used view by p, else grad None
+    flags = flat[len(flat) - len(params) :]  # (P,) how many ranks produced each gradient
+    for param, view, used in zip(params, views, flags.tolist(), strict=True):
+        param.grad = view.div_(p).view_as(param) if used > 0 else None
+    # lab 04.3 end
+
+
+class DataParallelNaive(nn.Module):
+    """Rung 1: after backward, all-reduce every parameter's gradient, one at a time."""
+
+    def __init__(self, module: nn.Module, comm, algorithm: str = "library"):
+        super().__init__()
+        self.module, self.comm = module, comm
+        self.launcher = Launcher(comm, algorithm)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        broadcast_module(module, comm)
+
+    def forward(self, *args, **kwargs):
+        broadcast_module(self.module, self.comm, buffers_only=True)
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_sync(self) -> None:
+        """All-reduce the gradients (blocking); afterwards every rank holds the average."""
+        used = torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float64)
+        self.launcher.all_reduce(used).wait()  # (P,): which parameters got a gradient anywhere
+        for param, n_used in zip(self.params, used.tolist(), strict=True):
+            if n_used == 0:
+                continue  # unused on every rank: grad stays None
+            if param.grad is None:  # unused here only: contributes zero
+                param.grad = torch.zeros_like(param)
+            self.launcher.all_reduce(param.grad).wait()
+            param.grad.div_(self.comm.world_size)
+
+
+class _Bucket:
+    """Parameters reduced together: one flat buffer [grad_0, grad_1, ..., flags] (same dtype)."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        n = sum(p.numel() for p in params)
+        self.flat = torch.zeros(n + len(params), dtype=params[0].dtype, device=params[0].device)
+        sizes = [p.numel() for p in params] + [len(params)]
+        *self.views, self.flags = self.flat.split(sizes)  # views: (numel_i,) into flat
+        self.ready = [False] * len(params)
+        self.work = None
+
+    def launch(self, launcher: Launcher) -> None:
+        for i, param in enumerate(self.params):
+            if not self.ready[i]:  # no gradient this backward: what .grad holds still counts
+                # (accumulated in earlier no_sync micro-steps, or zeros); None contributes zero
+                _copy_grad(param, self.views[i])
+            self.flags[i] = float(self.ready[i] or param.grad is not None)
+        self.work = launcher.all_reduce(self.flat)
+
+
+def _copy_grad(param: nn.Parameter, view: torch.Tensor) -> None:
+    """view <- param.grad (zeros if None), unless .grad already lives in the view."""
+    if param.grad is None:
+        view.zero_()
+    elif param.grad.data_ptr() != view.data_ptr():
+        view.copy_(param.grad.reshape(-1))
+
+
+class DataParallelBucketed(nn.Module):
+    """Rung 2: buckets of gradients, each all-reduced asynchronously the moment it is full.
+
+    Buckets are filled in the order backward produces gradients (roughly the reverse of
+    module.parameters()) and launched strictly in bucket order, so every rank issues the same
+    collectives in the same order even when some parameters are unused on some ranks; buckets
+    still waiting at the end of backward are launched by finish_gradient_sync.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm,
+        bucket_bytes: int = 1 << 20,
+        algorithm: str = "library",
+        grads_as_bucket_views: bool = False,
+    ):
+        super().__init__()
+        self.module, self.comm = module, comm
+        self.launcher = Launcher(comm, algorithm)
+        self.views_as_grads = grads_as_bucket_views
+        params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
+        self.buckets = []
+        for group in _by_dtype(params):  # a flat buffer holds one dtype
+            nbytes = [p.numel() * p.element_size() for p in group]
+            self.buckets += [
+                _Bucket([group[i] for i in b]) for b in assign_buckets(nbytes, bucket_bytes)
+            ]
+        self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.next_launch = 0
+        self.sync = True
+        broadcast_module(module, comm)
+        for p in params:
+            # fires once per backward, after p.grad holds this backward's full gradient
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        broadcast_module(self.module, self.comm, buffers_only=True)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside this block."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket, i = self.where[id(param)]
+        if bucket.work is not None:
+            raise RuntimeError(
+                "a gradient arrived after its bucket was reduced: call backward once per step "
+                "(use no_sync() to accumulate over micro-steps)"
+            )
+        _copy_grad(param, bucket.views[i])
+        bucket.ready[i] = True
+        self._launch_ready(all_remaining=False)
+        for launched in self.buckets[: self.next_launch]:
+            # MPI advances a non-blocking collective only inside MPI calls: poke the ones in
+            # flight, so they progress during backward instead of all at the final wait
+            launched.work.is_completed()
+
+    def _launch_ready(self, all_remaining: bool) -> None:
+        """Launch buckets in order while the next one is full (or all, at the end)."""
+        # lab 04.2 begin: launch bucket next_launch while it is full (or all_remaining), in order
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if not (all_remaining or all(bucket.ready)):
+                return
+            bucket.launch(self.launcher)
+            self.next_launch += 1
+        # lab 04.2 end
+
+    def finish_gradient_sync(self) -> None:
+        """Launch what is left, wait for every bucket, and leave averaged gradients in .grad."""
+        self._launch_ready(all_remaining=True)
+        p = self.comm.world_size
+        for bucket in self.buckets:
+            bucket.work.wait()
+            _used_and_average(bucket.flat, bucket.params, bucket.views, p)
+            if not self.views_as_grads:  # hand back tensors that do not alias the buffer
+                for param in bucket.params:
+                    if param.grad is not None:
+                        param.grad = param.grad.clone()
+            bucket.ready = [False] * len(bucket.params)
+            bucket.work = None
+        self.next_launch = 0
+
+
+def _by_dtype(params: list) -> list[list]:
+    """Split a list into runs of equal (dtype, device), keeping the order."""
+    groups: list[list] = []
+    for p in params:
+        if groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups

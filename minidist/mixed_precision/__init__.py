@@ -1,0 +1,4 @@
+"""Mixed precision (lesson 09).
+
+amp.py  the precision policies, loss scaling and the optimizer over float32 master weights
+"""

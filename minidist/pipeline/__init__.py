@@ -1,0 +1,8 @@
+"""Pipeline parallelism (lesson 06).
+
+schedules.py  schedules as data: GPipe, 1F1B, interleaved, zero-bubble; checks, bubble, memory
+stage.py      the executor: one stage runs its schedule over send and receive
+partition.py  layers cut into stages of balanced cost
+draw.py       `minidist schedule`: a schedule drawn as a grid
+bench.py      `minidist bench pipeline`
+"""

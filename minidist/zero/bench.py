@@ -1,0 +1,298 @@
+"""Benchmark of ZeRO stages 0..3: bytes held and sent per rank, and step time, beside the formulas.
+
+    minidist bench zero -n 2 4 --backend mpi [--layers 8] [--width 1024] [--precision fp32 bf16]
+
+The model: `layers` Linear(width, width) without bias, ReLU between, float32, Adam (k = 2
+states per element), each rank a batch of its own. Stage 0 is data parallelism
+(data_parallel.DataParallelBucketed with a plain torch Adam on every rank: the baseline this
+benchmark composes with ZeRO on purpose); stages 1..3 are zero.wrap, and again with
+precision=amp.BF16 (rows "bf16": a bfloat16 model, float32 master shards, Adam state and
+gradient shards; reduce-scatter in float32, all-gathers in bfloat16). For each world size in
+-n, one launch runs every row in turn, and per row reports:
+
+- MB held per rank, counted: parameters, gradients, optimizer state, the largest seen between
+  the phases of a step (after forward, backward, gradient sync, optimizer step), next to
+  zero_cost.model_state_nbytes (the paper's formula with K = k b bytes of optimizer state; bf16:
+  with m = 4 bytes of master, its K = (1 + k) m, the float32 master counted as the paper does);
+  the gradients counted right after backward and after the gradient sync, before the step;
+- peak RSS growth: the process's resident memory high-water mark during the timed steps minus
+  its size before the model was built (Linux /proc; reset before the steps). It holds the model
+  state and everything else: activations, collective buffers, allocator slack. Only meaningful
+  with one rank per process (mpi, gloo); the ranks run with MALLOC_MMAP_THRESHOLD_ fixed so
+  large tensors go back to the system when freed;
+- MB sent per step by this rank, counted by an ObservedComm around the ring collectives (every
+  byte is a send), next to zero_cost.sent_nbytes plus the used-flags (one float32 per parameter;
+  bf16 rows: and one float32 all-reduce of the overflow flag, a library call, not counted);
+- step time: the median over --steps timed steps, the slowest rank's.
+
+The machine is shared and noisy: compare ratios taken within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.data_parallel.wrappers import DataParallelBucketed
+from minidist.launch.launcher import init, start_ranks
+from minidist.mixed_precision.amp import PRECISIONS
+from minidist.zero import cost as zero_cost
+from minidist.zero import stages as zero
+
+STAGES = (0, 1, 2, 3)
+MB = 1e6
+
+
+def make_model(layers: int, width: int) -> nn.Sequential:
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width, bias=False), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def _rss_kb(field: str) -> int | None:
+    """VmRSS or VmHWM of this process in kB, or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _dp_memory(model: nn.Module, optimizer) -> dict[str, int]:
+    """Stage 0's model state: everything whole on every rank."""
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    return {
+        "params": _nbytes(model.parameters()),
+        "grads": _nbytes(q.grad for q in model.parameters()),
+        "optimizer": _nbytes(v for v in state if torch.is_tensor(v) and v.dim() > 0),
+    }
+
+
+def _build(comm, stage: int, precision: str, cfg: argparse.Namespace):
+    """The model for this row: (call(x), sync(), update(), memory())."""
+    model = make_model(cfg.layers, cfg.width)
+    if stage == 0:
+        dp = DataParallelBucketed(model, comm, 1 << 20, cfg.algorithm)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def update():
+            opt.step()
+            opt.zero_grad()
+
+        return dp, dp.finish_gradient_sync, update, lambda: _dp_memory(model, opt)
+    mixed = {} if precision == "fp32" else {"precision": PRECISIONS[precision]}
+    z = zero.wrap(
+        model, comm, torch.optim.Adam, stage, {"lr": 1e-4}, algorithm=cfg.algorithm, **mixed
+    )
+
+    def update():
+        z.step()
+        z.zero_grad()
+
+    return z, z.finish_gradient_sync, update, lambda: zero_cost.memory_nbytes(z)
+
+
+def bench_stage(comm, stage: int, precision: str, cfg: argparse.Namespace) -> dict:
+    """One row: counted and measured bytes, bytes sent and the step time, on this rank."""
+    counter = Counter()
+    gc.collect()  # the last stage's wrapper: its hooks hold it in reference cycles
+    before = _rss_kb("VmRSS")
+    net, sync, update, memory = _build(ObservedComm(comm, counter), stage, precision, cfg)
+    x = torch.randn(cfg.batch, cfg.width, generator=torch.Generator().manual_seed(comm.rank))
+    x = x.to(PRECISIONS[precision].compute)  # (B, width)
+    held: dict[str, int] = {}
+
+    def one_step():  # x: (B, width), this rank's own batch
+        loss = net(x).square().mean()
+        for phase in (loss.backward, sync, update):
+            sample(held, memory())  # after forward, backward, the gradient sync
+            phase()
+
+    one_step()  # warm-up: from here on the optimizer state exists
+    comm.barrier()
+    gc.collect()
+    _reset_peak()
+    counter.reset()
+    times = []
+    for _ in range(cfg.steps):
+        comm.barrier()  # start together: otherwise one rank's wait for another is timed
+        t0 = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - t0)
+    peak = _rss_kb("VmHWM")
+    worst = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max")
+    return {
+        "stage": stage,
+        "precision": precision,
+        "held": {k: held[k] for k in ("params", "grads", "optimizer")},
+        "peak_rss": None if peak is None or before is None else (peak - before) * 1024,
+        "sent": counter.bytes_sent / cfg.steps,
+        "step_ms": worst.item() * 1e3,
+    }
+
+
+def sample(held: dict, now: dict) -> None:
+    for kind, n in now.items():
+        held[kind] = max(held.get(kind, 0), n)
+
+
+def formulas(stage: int, numel: int, n_params: int, p: int, precision: str = "fp32") -> dict:
+    """What the module docstrings say this row should show (float32: b = 4, Adam: k = 2;
+    bf16: b = 2 for the model and the all-gathers, m = 4 for masters and the reduce-scatter)."""
+    flags = 2 * (p - 1) / p * n_params * 4 if p > 1 else 0  # ring all-reduce of the used-flags
+    b, m = (4, 0) if precision == "fp32" else (2, 4)
+    return {
+        "held": zero_cost.model_state_nbytes(stage, numel, p, b, 2, m),
+        "sent": zero_cost.sent_nbytes(stage, numel, p, b, m) + flags,
+    }
+
+
+def format_table(result: dict) -> str:
+    p, numel, cfg = result["world_size"], result["numel"], result["config"]
+    lines = [
+        f"# minidist bench zero: {result['backend']}, {p} ranks, float32, {cfg['layers']} x "
+        f"Linear({cfg['width']}, {cfg['width']}): Psi = {numel / 1e6:.2f}M, Adam (k = 2)",
+        "# MB per rank, measured (formula); peak = RSS high-water growth in the timed steps;",
+        "# bf16: bfloat16 model, float32 masters (counted in optimizer) and gradient shards",
+        f"{'stage':>10}{'params':>16}{'grads':>16}{'optimizer':>16}{'total':>16}{'peak':>8}"
+        f"{'sent/step':>16}{'step ms':>9}{'total/0':>8}{'sent/0':>7}{'time/0':>7}",
+    ]
+    base = result["rows"][0]
+    for row in result["rows"]:
+        want = formulas(row["stage"], numel, cfg["layers"], p, row["precision"])
+        cells = [(row["held"][k], want["held"][k]) for k in ("params", "grads", "optimizer")]
+        cells.append((sum(row["held"].values()), sum(want["held"].values())))
+        text = "".join(f"{a / MB:7.1f} ({b / MB:6.1f})" for a, b in cells)
+        peak = "n/a" if row["peak_rss"] is None else f"{row['peak_rss'] / MB:.1f}"
+        ratio = sum(row["held"].values()) / sum(base["held"].values())
+        sent = row["sent"] / base["sent"] if base["sent"] else float("nan")
+        lines.append(
+            f"{row['stage']:>5}{row['precision']:>5}{text}{peak:>8}"
+            f"{row['sent'] / MB:7.1f} ({want['sent'] / MB:6.1f})"
+            f"{row['step_ms']:9.1f}{ratio:8.2f}{sent:7.2f}{row['step_ms'] / base['step_ms']:7.2f}"
+        )
+    paper = [sum(zero_cost.model_state_nbytes(s, numel, p, 2, 6).values()) / MB for s in STAGES]
+    lines.append(
+        "# the paper's mixed precision (2 + 2 + 12 bytes per element), MB per rank, stages "
+        "0..3: " + " / ".join(f"{m:.1f}" for m in paper)
+    )
+    lines.append("# a shared, noisy machine: compare ratios within one run, not across runs")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", type=int, nargs="+", default=[2, 4], help="world sizes (one launch each)")
+    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16, help="rows per rank")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per stage")
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        choices=("fp32", "bf16"),
+        default=["fp32", "bf16"],
+        help="rows of stages 1..3 (stage 0, float32, always runs)",
+    )
+    p.add_argument(
+        "--algorithm",
+        choices=("ring", "library"),
+        default="ring",
+        help="ring: every byte sent is counted; library: sent shows 0",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def add_parser(sub) -> None:
+    """Add `zero` to the subcommands of `minidist bench`."""
+    p = sub.add_parser("zero", help="ZeRO stages 0..3: bytes held and sent, step time")
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Why these flags cannot run (the CLI asks every benchmark before starting ranks): every
+    size works once it is in its range, which the CLI checks for all flags."""
+    return []
+
+
+def main(args: argparse.Namespace) -> int:
+    """The parent: one launch per world size; rank 0 of each leaves its rows in a file."""
+    results = []
+    for n in args.n:
+        with tempfile.TemporaryDirectory(prefix="minidist-bench-zero-") as folder:
+            out = os.path.join(folder, "rows.json")
+            argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
+            argv += [f"--algorithm={args.algorithm}", f"--out={out}"]
+            argv += ["--precision", *args.precision]
+            # processes: large tensors straight from mmap, and back on free: RSS follows what
+            # is live
+            env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
+            code = start_ranks(__name__, argv, n, args.backend, "minidist bench zero", env=env)
+            if code != 0:
+                return code
+            with open(out) as f:
+                results.append(json.load(f))
+    if args.json:
+        print(json.dumps({"bench": "zero", "results": results}))
+    else:
+        print("\n\n".join(format_table(r) for r in results))
+    return 0
+
+
+def rank_main(argv: list[str]) -> None:
+    """One rank: every row (stage, precision) in turn; rank 0 writes the rows to --out."""
+    parser = argparse.ArgumentParser(prog="minidist bench zero (rank)")
+    for flag in ("--layers", "--width", "--batch", "--steps"):
+        parser.add_argument(flag, type=int)
+    parser.add_argument("--algorithm")
+    parser.add_argument("--out")
+    parser.add_argument("--precision", nargs="+")
+    cfg = parser.parse_args(argv)
+    comm = init()
+    torch.set_num_threads(1)  # one core per rank
+    warm = torch.zeros(1, requires_grad=True)
+    warm.grad = torch.ones(1)
+    torch.optim.Adam([warm]).step()  # torch imports more on a first step: not stage 0's bytes
+    # stage 0 in float32 always: the baseline of the ratios
+    plan = [(0, "fp32")] + [(s, name) for name in cfg.precision for s in STAGES[1:]]
+    rows = [bench_stage(comm, stage, precision, cfg) for stage, precision in plan]
+    if comm.rank == 0:
+        if comm.backend == "threads":  # one process holds every rank: no per-rank peak
+            for row in rows:
+                row["peak_rss"] = None
+        result = {"backend": comm.backend, "world_size": comm.world_size, "rows": rows}
+        result |= {"numel": cfg.layers * cfg.width**2, "config": vars(cfg)}
+        with open(cfg.out, "w") as f:
+            json.dump(result, f)
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the tensors (None: none)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1:])
