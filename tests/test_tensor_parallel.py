@@ -28,7 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from minidist import transformer
 from minidist.comm.wrappers import Counter, ObservedComm
+from minidist.tensor_parallel import mappings
 from minidist.testing import check_all, impl, run_ranks, run_threads
 
 RTOL, ATOL = 1e-12, 1e-13  # float64: see the module docstring
@@ -195,7 +197,6 @@ def test_world_size_1_column_is_bitwise_nn_linear():
 
 def operators_match(comm, shape: tuple, dim: int, seed: int) -> None:
     """f, g, scatter, gather, reduce-scatter: values and gradients from every rank's data."""
-    tp = impl("tensor_parallel.layers")
     p, r = comm.world_size, comm.rank
     shape = [n * p if d == dim % 3 else n for d, n in enumerate(shape)]
     big = [n * p if d == dim % 3 else n for d, n in enumerate(shape)]
@@ -208,23 +209,23 @@ def operators_match(comm, shape: tuple, dim: int, seed: int) -> None:
         return cols(t, q, p, dim)
 
     ops = {  # name: (op, expected y, upstream gradient, expected dL/dx)
-        "f": (lambda z: tp.f(z, comm), x0, gy, sum(gys)),
-        "g": (lambda z: tp.g(z, comm), sum(xs), gy, gy),
+        "f": (lambda z: mappings.f(z, comm), x0, gy, sum(gys)),
+        "g": (lambda z: mappings.g(z, comm), sum(xs), gy, gy),
         "scatter": (
-            lambda z: tp.ScatterToRegion.apply(z, comm, dim),
+            lambda z: mappings.ScatterToRegion.apply(z, comm, dim),
             mine(x0),
             mine(gy),
             torch.cat([mine(gys[q], q) for q in range(p)], dim),
         ),
         "gather": (
-            lambda z: tp.GatherFromRegion.apply(z, comm, dim),
+            lambda z: mappings.GatherFromRegion.apply(z, comm, dim),
             torch.cat(xs, dim),
             gy_big,
             cols(gy_big, r, p, dim),
         ),
     }
     if dim == 1:
-        rs = (lambda z: tp.ReduceScatterToSequence.apply(z, comm), mine(sum(xs)), mine(gy))
+        rs = (lambda z: mappings.ReduceScatterToSequence.apply(z, comm), mine(sum(xs)), mine(gy))
         ops["reduce_scatter"] = (*rs, torch.cat([mine(gys[q], q) for q in range(p)], dim))
     pairs = {}
     for name, (op, want_y, upstream, want_dx) in ops.items():
@@ -328,7 +329,7 @@ def block_matches(comm, case: dict, dtype=F64, rtol=RTOL, atol=ATOL) -> None:
     p, r, sp = comm.world_size, comm.rank, case["sp"]
     h, hd, d_ff, t = case["heads"] * p, case["hd"], case["ff"] * p, case["t"] * p
     d = h * hd
-    full = blocks.TransformerBlock(d, h, d_ff, case["causal"], case["seed"], dtype=dtype)
+    full = transformer.TransformerBlock(d, h, d_ff, case["causal"], case["seed"], dtype=dtype)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     if case["from_full"]:  # LayerNorms away from ones and zeros, so their slices matter
         with torch.no_grad():
@@ -603,7 +604,7 @@ def test_indivisible_sizes_are_refused_with_the_numbers():
         "n_heads=6 is not divisible by tp=4": lambda: blocks.ParallelSelfAttention(12, 6, c),
         "d_model=10 is not divisible by n_heads=4": lambda: blocks.ParallelSelfAttention(10, 4, c),
         "vocab_size=10 is not divisible by tp=4": lambda: blocks.VocabParallelEmbedding(10, 3, c),
-        r"x.shape\[1\]=6 is not divisible by tp=4": lambda: tp.split_along(
+        r"x.shape\[1\]=6 is not divisible by tp=4": lambda: mappings.split_along(
             torch.zeros(2, 6, 3), c, 1
         ),
         r"token ids must lie in \[0, 8\), got \[0, 8\]": lambda: blocks.VocabParallelEmbedding(
@@ -614,13 +615,12 @@ def test_indivisible_sizes_are_refused_with_the_numbers():
         with pytest.raises(ValueError, match=message):
             build()
     with pytest.raises(ValueError, match=r"x.shape\[1\]=6 is not divisible by tp=4"):
-        tp.reduce_scatter_along(torch.zeros(2, 6, 3), c, 1)
+        mappings.reduce_scatter_along(torch.zeros(2, 6, 3), c, 1)
 
 
 @pytest.mark.pure
 def test_master_linear_draws_as_documented():
-    tp = impl("tensor_parallel.layers")
-    w, b = tp.master_linear(4, 3, seed=5, dtype=F64)
+    w, b = transformer.master_linear(4, 3, seed=5, dtype=F64)
     gen = torch.Generator().manual_seed(5)
     assert torch.equal(w, torch.empty(3, 4, dtype=F64).uniform_(-0.5, 0.5, generator=gen))
     assert torch.equal(b, torch.empty(3, dtype=F64).uniform_(-0.5, 0.5, generator=gen))
@@ -667,7 +667,7 @@ def cuda_block(comm, sp: bool) -> None:
     """A sequence-parallel (or not) block and the vocabulary-parallel loss on cuda:0."""
     blocks, tp = impl("tensor_parallel.blocks"), impl("tensor_parallel.layers")
     p, r, dev = comm.world_size, comm.rank, torch.device("cuda")
-    full = blocks.TransformerBlock(4 * p, 2 * p, 4 * p, seed=1, dtype=F64, device=dev)
+    full = transformer.TransformerBlock(4 * p, 2 * p, 4 * p, seed=1, dtype=F64, device=dev)
     par = blocks.ParallelTransformerBlock.from_full(full, comm, sequence_parallel=sp)
     x = randn(torch.Generator().manual_seed(2), 3, 2 * p, 4 * p).to(dev)
     y_ref = full(x)

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from minidist.comm import Counter, ObservedComm
 from minidist.launch.launcher import demo_init
 from minidist.tensor_parallel.blocks import ParallelTransformerBlock as Parallel
-from minidist.tensor_parallel.blocks import TransformerBlock, saved_activation_nbytes
+from minidist.tensor_parallel.blocks import saved_activation_nbytes
 from minidist.tensor_parallel.layers import vocab_parallel_cross_entropy
+from minidist.transformer import TransformerBlock
 
 
 def worst(comm, diff: torch.Tensor) -> float:

@@ -42,7 +42,8 @@ from minidist.cluster import hardware as clusters
 from minidist.cluster import plan
 from minidist.cluster import search as plan_search
 from minidist.comm.threads import ThreadsWorld
-from minidist.tensor_parallel.blocks import ParallelTransformerBlock, TransformerBlock
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock
+from minidist.transformer import TransformerBlock
 
 BUDGET_SECONDS = 2.0  # about the CPU a rank spends timing one block: 3 to `repeats` passes
 

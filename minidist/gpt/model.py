@@ -39,12 +39,9 @@ from torch import nn
 from minidist.checkpointing.recompute import checkpoint
 from minidist.gpt import moe
 from minidist.pipeline.partition import balance
-from minidist.tensor_parallel.blocks import (
-    ParallelTransformerBlock,
-    TransformerBlock,
-    VocabParallelEmbedding,
-)
-from minidist.tensor_parallel.layers import ColumnParallelLinear, master_linear
+from minidist.tensor_parallel.blocks import ParallelTransformerBlock, VocabParallelEmbedding
+from minidist.tensor_parallel.layers import ColumnParallelLinear
+from minidist.transformer import TransformerBlock, master_linear
 
 
 @dataclass(frozen=True)

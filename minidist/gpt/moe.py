@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from minidist.expert_parallel.moe import SWITCH_ALPHA, ExpertParallelMoE, MoE
-from minidist.tensor_parallel.blocks import TransformerBlock, attention
+from minidist.transformer import TransformerBlock, attention
 
 
 class AttachAux(torch.autograd.Function):

@@ -1,7 +1,10 @@
 """Tensor parallelism in the Megatron style (lesson 05).
 
-layers.py  the regions f and g and their sequence-parallel kin; column- and row-parallel linear;
-           the vocabulary-parallel cross-entropy
-blocks.py  what builds on them: the parallel MLP, self-attention, transformer block, embedding
-bench.py   `minidist bench tp`
+mappings.py  the communication as autograd functions: f and g (each one's backward the other's
+             forward) and their sequence-parallel kin (scatter, gather, reduce-scatter along T)
+layers.py    column- and row-parallel linear, the fused sequence-parallel linear, the
+             vocabulary-parallel cross-entropy
+blocks.py    what builds on them: the vocabulary-parallel embedding, the parallel MLP,
+             self-attention and transformer block (twins of minidist/transformer.py's)
+bench.py     `minidist bench tp`
 """

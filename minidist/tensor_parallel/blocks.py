@@ -2,9 +2,9 @@
 self-attention and the pre-LayerNorm block built from column- and row-parallel linears, with
 Megatron's sequence parallelism as an option.
 
-Equals: TransformerBlock (below: the same block in one process, full weights) and nn.Embedding:
-outputs, input gradients, each rank's slice of every weight gradient. float64: 1e-12 relative;
-float32: 1e-5 (see tests/test_tensor_parallel.py).
+Equals: TransformerBlock (minidist/transformer.py: the same block in one process, full weights) and
+nn.Embedding: outputs, input gradients, each rank's slice of every weight gradient. float64: 1e-12
+relative; float32: 1e-5 (see tests/test_tensor_parallel.py).
 Communication per block, per rank (p ranks on tp_comm, x: (B, T, D), b bytes an element):
   forward 2 all-reduces of B*T*D elements (g after attention and after the MLP), backward 2 (f
   before them); the ring sends 2(p-1)/p * B*T*D*b bytes for each.
@@ -32,22 +32,14 @@ or VocabParallelEmbedding(sequence_parallel=True), which reduce-scatters straigh
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minidist.memory import SavedTensorMeter
-from minidist.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    ReduceScatterToSequence,
-    RowParallelLinear,
-    check_divisible,
-    f,
-    g,
-    master_linear,
-)
+from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from minidist.tensor_parallel.mappings import ReduceScatterToSequence, check_divisible, f, g
+from minidist.transformer import TransformerBlock, attention
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -101,23 +93,6 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return ReduceScatterToSequence.apply(e, self.tp_comm)  # (B, T/p, D)
         return g(e, self.tp_comm)
-
-
-def attention(qkv: torch.Tensor, n_heads: int, causal: bool) -> torch.Tensor:
-    """Softmax attention of n_heads heads: qkv (B, T, 3*n_heads*hd) laid out [q | k | v], heads
-    contiguous in each -> (B, T, n_heads*hd). The parallel layer calls it with its H/p heads."""
-    b, t, width = qkv.shape
-    hd = width // (3 * n_heads)
-    q, k, v = qkv.view(b, t, 3, n_heads, hd).permute(2, 0, 3, 1, 4)  # each (B, h, T, hd)
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, h, T, T)
-    if causal:
-        future = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)  # (T, T)
-        # added, not masked_fill: an addition keeps nothing for backward
-        att = att + torch.zeros(t, t, dtype=att.dtype, device=att.device).masked_fill(
-            future, float("-inf")
-        )
-    y = att.softmax(-1) @ v  # (B, h, T, hd)
-    return y.transpose(1, 2).reshape(b, t, n_heads * hd)  # (B, T, h*hd)
 
 
 class ParallelMLP(nn.Module):
@@ -181,48 +156,6 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv_local = self.qkv(x)  # (B, T, 3D/p): T whole, also with sequence parallelism
         return self.proj(attention(qkv_local, self.n_heads_local, self.causal))
-
-
-class TransformerBlock(nn.Module):
-    """The single-process twin: x + attn(ln1(x)), then + mlp(ln2(x)); (B, T, D) -> (B, T, D).
-
-    The layout from_full reads: qkv (3D, D) with rows [q; k; v], proj (D, D), fc1 (F, D),
-    fc2 (D, F), ln1, ln2. Seeded as the parallel block is: master_linear with qkv seed,
-    proj seed + 1, fc1 seed + 2, fc2 seed + 3; LayerNorms ones and zeros."""
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        causal: bool = True,
-        seed: int = 0,
-        dtype=None,
-        device=None,
-    ):
-        super().__init__()
-        self.n_heads, self.causal = n_heads, causal
-        shapes = {
-            "qkv": (d_model, 3 * d_model),
-            "proj": (d_model, d_model),
-            "fc1": (d_model, d_ff),
-            "fc2": (d_ff, d_model),
-        }
-        for i, (name, (fan_in, fan_out)) in enumerate(shapes.items()):
-            layer = nn.utils.skip_init(
-                nn.Linear, fan_in, fan_out, dtype=dtype, device=device or "cpu"
-            )
-            w, b = master_linear(fan_in, fan_out, seed + i, dtype=dtype)
-            with torch.no_grad():
-                layer.weight.copy_(w)
-                layer.bias.copy_(b)
-            setattr(self, name, layer)
-        self.ln1 = nn.LayerNorm(d_model, dtype=dtype, device=device)
-        self.ln2 = nn.LayerNorm(d_model, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.proj(attention(self.qkv(self.ln1(x)), self.n_heads, self.causal))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class ParallelTransformerBlock(nn.Module):

@@ -58,13 +58,13 @@ from torch import nn
 
 from minidist.collectives.algorithms import Launcher
 from minidist.mixed_precision.amp import LossScaler, Precision, skip_step
-from minidist.zero import gatherer as zero3
-from minidist.zero import state as zero_state
-from minidist.zero.gatherer import Unit
+from minidist.zero import gatherer
 
 # re-exported: the state of any stage, consolidated on one rank and cut again (zero/state.py)
 from minidist.zero.state import consolidate as consolidate
 from minidist.zero.state import load_consolidated as load_consolidated
+from minidist.zero.state import make_optimizer
+from minidist.zero.units import Unit
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class ZeRO1(nn.Module):
                 comm.broadcast(t.data, 0)
                 if precision is not None and t.is_floating_point():
                     t.data = t.data.to(precision.compute)  # the model runs in one dtype
-        self.optimizer, self.group_of = zero_state.make_optimizer(  # over this rank's pieces
+        self.optimizer, self.group_of = make_optimizer(  # over this rank's pieces
             module, self.units, optimizer, optimizer_kwargs, param_groups
         )
         self.next_launch, self.in_flight, self.pending = 0, [], False
@@ -321,7 +321,7 @@ class ZeRO1(nn.Module):
         ]
 
     def state_dict(self, dst: int = 0) -> dict | None:
-        """The full state, consolidated on rank dst (None elsewhere): zero_state.consolidate."""
+        """The full state, consolidated on rank dst (None elsewhere): consolidate."""
         return consolidate(self, dst)
 
     def load_state_dict(self, state: dict | None, src: int = 0) -> None:
@@ -352,8 +352,8 @@ class ZeRO2(ZeRO1):
 
 class ZeRO3(ZeRO2):
     """Stage 3: each rank keeps only its shard of each unit's parameters (own_shard); a unit is
-    gathered just before its module's forward and backward and freed after (zero3.Gatherer).
-    units: the modules whose parameters are gathered together (zero3.unit_groups); prefetch:
+    gathered just before its module's forward and backward and freed after (gatherer.Gatherer).
+    units: the modules whose parameters are gathered together (gatherer.unit_groups); prefetch:
     start gathering the next unit while this one computes. Other options as ZeRO1's."""
 
     own_shard = True
@@ -363,10 +363,12 @@ class ZeRO3(ZeRO2):
     ):
         if "bucket_bytes" in options or "groups" in options:
             raise TypeError("ZeRO3's units are modules (units=[...]), not buckets or groups")
-        modules, groups = zero3.unit_groups(module, units)  # forward order
+        modules, groups = gatherer.unit_groups(module, units)  # forward order
         options["groups"] = groups[::-1]  # launched in backward order
         super().__init__(module, comm, optimizer, optimizer_kwargs, **options)
-        self.gatherer = zero3.Gatherer(module, modules, self.units[::-1], self.launcher, prefetch)
+        self.gatherer = gatherer.Gatherer(
+            module, modules, self.units[::-1], self.launcher, prefetch
+        )
 
     def _on_grad(self, param: nn.Parameter) -> None:
         super()._on_grad(param)  # ZeRO-2: note it, reduce-scatter complete units in order
