@@ -19,6 +19,45 @@ from minidist.launch.launcher import BACKENDS, launch, run_threads
 from minidist.launch.watchdog import job_timeout
 from minidist.pipeline.draw import add_schedule_command
 
+
+def default_note(action: argparse.Action) -> str:
+    """'(default: 8)' for an option with a default worth saying; '' for None, a switch that is
+    off, a positional argument."""
+    default = action.default
+    if not action.option_strings or default is None or default is False:
+        return ""
+    if default == argparse.SUPPRESS:
+        return ""
+    shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
+    return f"(default: {shown})"
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default after its help text, as `(default: 8)`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        note = default_note(action)
+        if not note or "(default" in text:
+            return text
+        return f"{text} {note.replace('%', '%%')}"
+
+
+class Parser(argparse.ArgumentParser):
+    """The `minidist` parser: its subcommands are built from the same class (argparse's
+    default), so each of them shows its defaults in --help, those without help text too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.help is None and default_note(action):
+            action.help = default_note(action).replace("%", "%%")  # argparse shows no empty help
+        return action
+
+
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
 MAY_BE_ZERO = set(
     "warmup save_every stop_at seed zero staleness delay spike chance compute target "
@@ -169,21 +208,26 @@ def _add_bench(sub) -> None:
         module.add_parser(kinds)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minidist", description=__doc__.splitlines()[0])
+def build_parser() -> Parser:
+    """The whole command: every subcommand and its flags."""
+    # the main job and the planner import every technique, so only here, when a command is parsed
+    from minidist.cluster import cli as plan_cli
+    from minidist.gpt import cli as train_cli
+
+    parser = Parser(prog="minidist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
-    from minidist.gpt import (
-        cli as train_cli,  # the main job: imports every technique, so only when asked
-    )
-
     train_cli.add_parser(sub)
     add_schedule_command(sub)
-    from minidist.cluster import cli as plan_cli
-
     plan_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from minidist.gpt import cli as train_cli
+
+    args = build_parser().parse_args(argv)
     found = numeric_problems(args) + command_problems(args)
     if args.command == "train":
         found = train_cli.problems(args, found)

@@ -229,3 +229,26 @@ def test_the_progress_bar_is_for_a_terminal(monkeypatch):
         assert bar is not None and bar.total == 3
         bar.close()
     assert train_cli._progress(config, False, 0) is None  # not rank 0, or --json
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """parser and every subcommand's parser below it, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+@pytest.mark.pure
+def test_help_shows_every_default():
+    """`minidist X --help` names each option's default (switches that are off, and options
+    whose default is None, have nothing to show)."""
+    missing = []
+    for parser in _parsers(cli.build_parser()):
+        text = " ".join(parser.format_help().split())  # argparse wraps lines anywhere
+        for action in parser._actions:
+            note = cli.default_note(action)
+            if note and " ".join(note.split()) not in text:
+                missing.append(f"{parser.prog} {action.option_strings[0]}: {note}")
+    assert not missing, "\n".join(missing)
