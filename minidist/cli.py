@@ -1,6 +1,7 @@
 """The `minidist` command: `minidist run`, `minidist bench`, ...
 
 minidist train --dp 2 --pp 2 --tp 2 --check          the main job: a small GPT, 8 ranks
+minidist sample --resume ckpt                          text from a trained model, any layout's
 minidist run -n 4 --backend mpi script.py args...      start 4 ranks on this machine
 minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
 minidist bench dp|tp|pipeline|zero|sgd|batch|moe|cp ...   the techniques, measured
@@ -61,7 +62,7 @@ class Parser(argparse.ArgumentParser):
 # numeric flags that may be 0 (every other integer flag counts something: at least 1)
 MAY_BE_ZERO = set(
     "warmup save_every stop_at seed zero staleness delay spike chance compute target "
-    "weight_decay experts".split()
+    "weight_decay experts temperature".split()
 )
 
 
@@ -213,12 +214,14 @@ def build_parser() -> Parser:
     # the main job and the planner import every technique, so only here, when a command is parsed
     from minidist.cluster import cli as plan_cli
     from minidist.gpt import cli as train_cli
+    from minidist.gpt import sample
 
     parser = Parser(prog="minidist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
     train_cli.add_parser(sub)
+    sample.add_parser(sub)
     add_schedule_command(sub)
     plan_cli.add_parser(sub)
     return parser
