@@ -14,8 +14,8 @@ import torch
 
 from minidist.gpt import model as gpt
 from minidist.gpt import resume
-from minidist.gpt.gather import local_parameters, whole_parameters
-from minidist.gpt.reference import train_whole
+from minidist.gpt.gather import local_parameters, parameters_full
+from minidist.gpt.reference import train_full
 from minidist.gpt.train import TrainConfig, build_job, train_step
 from minidist.testing import check_all, run_ranks, run_threads
 
@@ -24,7 +24,7 @@ TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
 
 def run(comm, config: TrainConfig, until: int, save: str | None = None, start: str | None = None):
     """Train to step `until` (from a checkpoint if start), saving there if save: (losses,
-    the whole parameters on rank 0, this rank's own elements of them)."""
+    the full parameters on rank 0, this rank's own elements of them)."""
     job = build_job(comm, config)
     if start is not None:
         resume.restore(job, resume.load(start))
@@ -33,11 +33,11 @@ def run(comm, config: TrainConfig, until: int, save: str | None = None, start: s
         losses.append(train_step(job)[0])
     if save is not None:
         resume.save(job, save)
-    return losses, whole_parameters(job), local_parameters(job)
+    return losses, parameters_full(job), local_parameters(job)
 
 
 def interrupted_and_resumed(tmp_path, before: dict, after: dict, precision: dict) -> tuple:
-    """(the uninterrupted run's losses and whole parameters, every rank of the resumed run's
+    """(the uninterrupted run's losses and full parameters, every rank of the resumed run's
     (losses, own elements))."""
     a = TrainConfig(steps=5, batch=8, warmup=1, model=TINY, **precision, **before)
     b = TrainConfig(steps=5, batch=8, warmup=1, model=TINY, **precision, **after)
@@ -91,7 +91,7 @@ def test_resume_in_another_layout_reshards(tmp_path, before, after):
 def resumed_in_another_layout_in_ranks(comm, folder: str) -> None:
     """World 4: train 2 steps as dp=2 x tp=2 with ZeRO-3, save; resume as dp=2 x pp=2 with
     ZeRO-2 and train to step 5. Every rank compares its losses and its own elements with one
-    process (the recipe: each computes train_whole itself), as test_train does."""
+    process (the recipe: each computes train_full itself), as test_train does."""
     torch.set_num_threads(1)  # this rank's own process: one core each
     common = dict(steps=5, batch=8, warmup=1, model=TINY, dtype="float64")
     before = TrainConfig(dp=2, tp=2, zero=3, **common)
@@ -104,7 +104,7 @@ def resumed_in_another_layout_in_ranks(comm, folder: str) -> None:
     job = build_job(comm, after)
     resume.restore(job, resume.load(path))
     losses = [train_step(job)[0] for _ in range(3)]
-    reference = train_whole(after)
+    reference = train_full(after)
     context = f"resumed at step 2 as {after.layout}"
     expected = torch.tensor(reference["losses"][2:], dtype=torch.float64)
     check_all(comm, {"losses": (torch.tensor(losses, dtype=torch.float64), expected)},

@@ -1,8 +1,8 @@
 """The main job: dp x pp x tp (+ZeRO, checkpointing) training equals one process.
 
 Recipe: every rank trains a tiny GPT for a few steps in float64 and computes the single-process
-reference itself (reference.train_whole: nn.Sequential of the whole layers, the whole batch);
-the test finds which whole elements each rank holds and compares every rank's parameters and
+reference itself (reference.train_full: nn.Sequential of the full layers, the whole batch);
+the test finds which full elements each rank holds and compares every rank's parameters and
 every rank's loss curve. Tolerances (float64): losses 1e-12 relative (sums in another order);
 parameters 1e-10 absolute (they are O(0.01..1)): AdamW divides by sqrt(v) + eps, so gradient
 elements near eps, sums with cancellation whose last bits depend on the order, move by up to
@@ -28,8 +28,8 @@ from minidist.comm.protocol import Blocking
 from minidist.gpt import model as gpt
 from minidist.gpt import reference
 from minidist.gpt.data import batch_at, dp_share, load_bytes
-from minidist.gpt.gather import local_parameters, whole_parameters
-from minidist.gpt.reference import differences, train_whole
+from minidist.gpt.gather import local_parameters, parameters_full
+from minidist.gpt.reference import differences, train_full
 from minidist.gpt.train import TrainConfig, build_job, train_step
 from minidist.launch.launcher import launch
 from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threads
@@ -77,7 +77,7 @@ def train_matches_one_process(comm, config: TrainConfig, device=None) -> None:
     """Train on every rank of comm (on device: default the comm's); compare every rank's
     losses and parameters with one process on the CPU."""
     data = load_bytes()
-    reference = train_whole(config, data)  # every rank computes it: the recipe
+    reference = train_full(config, data)  # every rank computes it: the recipe
     job, result = impl("gpt.train").train(comm, config, data, device=device)
     context = f"rank {comm.rank} of {config}"
     losses = torch.tensor(result["losses"], dtype=torch.float64)
@@ -148,11 +148,11 @@ def test_the_cli_refuses_checkpoints_of_ep_and_cp_runs():
 @pytest.mark.pure
 def test_weight_decay_falls_on_the_weight_matrices_only():
     """GPT practice: decay the linear layers' weight matrices; not biases, LayerNorms, or the
-    token and position embeddings. The same rule splits the whole model and its tp slices
+    token and position embeddings. The same rule splits the full model and its tp slices
     alike (else test_train_threads, weight_decay 0.1 by default, would fail)."""
     from minidist.gpt.replicas import decay_groups
 
-    model = torch.nn.Sequential(*gpt.whole_layers(TINY, torch.float64))
+    model = torch.nn.Sequential(*gpt.layers_full(TINY, torch.float64))
     names = {id(q): n for n, q in model.named_parameters()}
     decay, rest = ([names[id(q)] for q in g["params"]] for g in decay_groups(model))
     matrices = [f"{i}.{part}.weight" for i in (1, 2) for part in ("qkv", "proj", "fc1", "fc2")]
@@ -257,7 +257,7 @@ def test_bf16_tracks_one_process_in_the_same_precision(zero):
     model = gpt.GPTConfig(seq_len=16, d_model=32, n_heads=4, d_ff=64, n_layers=2)
     config = TrainConfig(dp=2, pp=2, tp=2, zero=zero, microbatches=2, amp="bf16", steps=10,
                          batch=8, warmup=2, model=model)  # fmt: skip
-    expected = torch.tensor(train_whole(config)["losses"], dtype=torch.float64)
+    expected = torch.tensor(train_full(config)["losses"], dtype=torch.float64)
     for rank, losses in enumerate(run_threads(losses_of, 8, config)):
         got = torch.tensor(losses, dtype=torch.float64)
         assert torch.allclose(got, expected, rtol=2e-3, atol=0), (rank, got, expected)
@@ -265,7 +265,7 @@ def test_bf16_tracks_one_process_in_the_same_precision(zero):
 
 def result_of(comm, config: TrainConfig) -> dict:
     job, result = impl("gpt.train").train(comm, config)
-    return result | {"parameters": whole_parameters(job)}
+    return result | {"parameters": parameters_full(job)}
 
 
 @pytest.mark.threads
@@ -274,7 +274,7 @@ def test_float32_is_within_the_documented_tolerance():
     1e-5, parameters 2e-3 of each layer's largest; measured 1e-7 and 3e-4 after 60 steps)."""
     config = TrainConfig(dp=2, pp=2, tp=2, microbatches=2, steps=12, batch=8, warmup=2)
     result = run_threads(result_of, 8, config)[0]
-    found = differences(result, train_whole(config), config)
+    found = differences(result, train_full(config), config)
     assert found["ok"], found
 
 
@@ -311,7 +311,7 @@ def trained_with(comm, config: TrainConfig, factor: float) -> dict:
         loss, stepped = train_step(job)
         losses.append(loss)
         skipped += [] if stepped else [step]
-    return {"losses": losses, "skipped": skipped, "parameters": whole_parameters(job)}
+    return {"losses": losses, "skipped": skipped, "parameters": parameters_full(job)}
 
 
 @pytest.mark.threads
@@ -324,7 +324,7 @@ def test_the_16_bit_check_judges_the_parameters_and_catches_a_dropped_gradient(a
     model = gpt.GPTConfig(seq_len=32, d_model=32, n_heads=4, d_ff=64, n_layers=2)
     config = TrainConfig(dp=2, zero=zero, amp=amp, steps=20, warmup=2, batch=8, microbatches=2,
                          model=model)  # fmt: skip
-    expected = train_whole(config)
+    expected = train_full(config)
     for factor, verdict in ((1.0, True), (0.0, False)):
         found = differences(run_threads(trained_with, 2, config, factor)[0], expected, config)
         limits = found["tolerance"]["parameters_rms"]

@@ -8,7 +8,7 @@ import torch
 
 from minidist.comm import Counter, ObservedComm
 from minidist.gpt.model import GPTConfig, stage_layer_ids
-from minidist.gpt.reference import train_whole
+from minidist.gpt.reference import train_full
 from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes, train_step
 from minidist.launch.launcher import demo_init
 from minidist.mesh import Layout
@@ -57,7 +57,7 @@ def main(comm) -> None:
         counter.reset()  # count the steps, not the set-up
     losses = [train_step(job)[0] for _ in range(STEPS)]
     if comm.rank == 0:
-        reference = train_whole(config)["losses"]
+        reference = train_full(config)["losses"]
         say(f"loss, {STEPS} steps, float64   {layout.dp}x{layout.pp}x{layout.tp}       one process")
         for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
             say(f"  step {step}   {a:.15f}   {b:.15f}   rel. diff {abs(a - b) / b:.1e}")

@@ -9,7 +9,7 @@
 """3D parallelism: the small GPT of model.py trained with data, pipeline and tensor parallelism
 (plus ZeRO, mixed precision and checkpointing) composed in one place, in a fixed order.
 
-Equals: train_whole, the same model, batches, AdamW (weight decay on the weight matrices only:
+Equals: train_full, the same model, batches, AdamW (weight decay on the weight matrices only:
 replicas.decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
 batch. float64: losses and final parameters to 1e-12 relative (tests/test_train.py); float32
 about 1e-5 (sums in another order); bf16/fp16 with the reference run in the same precision,
@@ -270,7 +270,7 @@ def train_step(job: Job) -> tuple[float, bool]:
     stepped = job.replicas.step()
     job.schedule.step()
     job.step += 1
-    return whole_batch_loss(losses, job.mesh, scale, job.device), stepped
+    return batch_loss_full(losses, job.mesh, scale, job.device), stepped
 
 
 def predicted_nbytes(job: Job) -> dict[str, int | None]:
@@ -352,7 +352,7 @@ def _dp_nbytes(c: TrainConfig, params: list, e: int, f: int) -> int | None:
     return None
 
 
-def whole_batch_loss(losses: list, mesh: Mesh, scale: float, device=None) -> float:
+def batch_loss_full(losses: list, mesh: Mesh, scale: float, device=None) -> float:
     """The mean over the whole batch, on every rank: the last stage's mean over microbatches,
     averaged over dp (x cp: each cp rank's mean is over its T/cp tokens), then broadcast along
     the pipeline. Collectives: dp (x cp) all_reduce, pp broadcast (one float64 each)."""
@@ -376,7 +376,7 @@ def _observed(mesh: Mesh, observe: Callable) -> Mesh:
 
 def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):
     """Build the job and train config.steps steps: (job, {"losses", "skipped", "seconds"}),
-    the same losses on every rank. gather.whole_parameters(job) puts the model together."""
+    the same losses on every rank. gather.parameters_full(job) puts the model together."""
     job = build_job(comm, config, data, device=device)
     losses, skipped, start = [], [], time.perf_counter()
     for step in range(config.steps):

@@ -1,6 +1,6 @@
 """The main job: a small GPT trained with every technique of the syllabus composed.
 
-model.py      the GPT, whole and cut for dp x pp x tp
+model.py      the GPT, full and cut for dp x pp x tp
 data.py       the shipped text (data/sonnets.txt), as batches
 train.py      the techniques composed around the model, in a fixed order; one training step
 replicas.py   step 3: data parallel, mixed precision or ZeRO behind one interface

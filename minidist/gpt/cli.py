@@ -37,9 +37,9 @@ import torch
 
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.gpt import resume
-from minidist.gpt.gather import whole_parameters
+from minidist.gpt.gather import parameters_full
 from minidist.gpt.model import GPTConfig
-from minidist.gpt.reference import differences, train_whole
+from minidist.gpt.reference import differences, train_full
 from minidist.gpt.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
 from minidist.launch.launcher import BACKENDS, init, start_ranks
 from minidist.mixed_precision.amp import PRECISIONS
@@ -214,7 +214,7 @@ def rank_main(argv: list[str]) -> None:
     report = _gather_report(
         job, counters, tracer, len(losses)
     )  # first: what follows sends bytes too
-    result["parameters"] = whole_parameters(job)
+    result["parameters"] = parameters_full(job)
     bad = [i for i, t in enumerate(result["parameters"] or []) if not torch.isfinite(t).all()]
     if bad:  # rank 0, after the last collective: a run ending with NaN or inf parameters failed
         raise FloatingPointError(f"after step {job.step}: non-finite parameters in layers {bad}")
@@ -301,7 +301,7 @@ def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
             )
         },
     }
-    reference = train_whole(config) if args.check else None
+    reference = train_full(config) if args.check else None
     if reference is not None:
         summary["check"] = differences(result, reference, config)
         summary["check"]["seconds_one_process"] = reference["seconds"]

@@ -1,7 +1,7 @@
 """Context parallelism in the main job: each cp rank holds its zigzag chunks of every sequence,
 and every block's attention runs as ring attention over cp_comm.
 
-Equals: train_whole, the same model on the whole sequences: every rank embeds its tokens at
+Equals: train_full, the same model on the whole sequences: every rank embeds its tokens at
 their global positions (positions), runs the blocks on its T/cp tokens (every other layer acts
 token by token), attends through ring_attention (context_parallel/ring_attention.py), and takes the
 mean cross-entropy over its own tokens. Every cp rank holds T/cp tokens of the same b sequences, so

@@ -1,12 +1,12 @@
-"""The cut model put back together: the whole parameters on world rank 0 (whole_parameters),
-each rank's part of them (local_parameters); which elements of a layer's whole parameters each
-tp rank holds (element_numbers), a layer made whole from its tp slices (whole_flat), and every
+"""The cut model put back together: the full parameters on world rank 0 (parameters_full),
+each rank's part of them (local_parameters); which elements of a layer's full parameters each
+tp rank holds (element_numbers), a layer made full from its tp slices (flat_full), and every
 stage's layers sent to world rank 0 (to_stage_zero). Shared by the check against one process
 (reference.py, --check) and the checkpoints (resume.save, restore).
 
-Communication: whole_flat, an all_gather over tp of the values with their element numbers;
+Communication: flat_full, an all_gather over tp of the values with their element numbers;
 to_stage_zero, one pp send per stage (tp rank 0 of replica 0).
-Memory: the whole model, in float64, on world rank 0 (to_stage_zero's result).
+Memory: the full model, in float64, on world rank 0 (to_stage_zero's result).
 Lesson: lessons/12_3d_parallel/.
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from minidist.gpt.train import Job
 
 
-def whole_parameters(job: Job) -> list[torch.Tensor] | None:
+def parameters_full(job: Job) -> list[torch.Tensor] | None:
     """The whole model's parameters, flattened per layer, in float64, on world rank 0 (None
     elsewhere). Each tp group puts its layers back together (all_gather), then every stage
     of replica 0 sends its layers to stage 0 (pp send/recv)."""
@@ -31,7 +31,7 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
     with job.replicas.gathered():
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
         mine = [
-            whole_flat(config.model, i, list(x.parameters()), mesh.tp_comm, _ep(job, i))
+            flat_full(config.model, i, list(x.parameters()), mesh.tp_comm, _ep(job, i))
             for i, x in zip(sum(job.layer_ids, []), layers, strict=True)
         ]
     if d != 0 or mesh.cp_coord != 0:
@@ -42,9 +42,9 @@ def whole_parameters(job: Job) -> list[torch.Tensor] | None:
 
 
 def local_parameters(job: Job) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """{layer i: (which whole elements this rank holds, their values in float64 on the CPU)}
+    """{layer i: (which full elements this rank holds, their values in float64 on the CPU)}
     for every layer of this rank (ZeRO-3's inside gathered()): to compare every rank with
-    whole_parameters or train_whole, as `whole[i][where]`. No communication beyond gathered()."""
+    parameters_full or train_full, as `whole[i][where]`. No communication beyond gathered()."""
     found = {}
     with job.replicas.gathered():
         layers = [gpt.unwrap(x) for chunk in job.chunks for x in chunk]
@@ -86,17 +86,17 @@ def to_stage_zero(job: Job, mine: dict[int, torch.Tensor]) -> dict[int, torch.Te
 
 
 def layer_numel(model: gpt.GPTConfig, i: int) -> int:
-    """Elements of layer i's whole parameters."""
-    return sum(q.numel() for q in gpt.whole_layer(model, i, torch.float64).parameters())
+    """Elements of layer i's full parameters."""
+    return sum(q.numel() for q in gpt.layer_full(model, i, torch.float64).parameters())
 
 
 def element_numbers(
     model: gpt.GPTConfig, i: int, tp_comm, ep_comm=None
 ) -> tuple[torch.Tensor, int]:
-    """Which elements of layer i's whole parameters (laid end to end, n in all) this tp rank
-    (and ep rank) holds, in the order of its own parameters: cut a whole layer whose
+    """Which elements of layer i's full parameters (laid end to end, n in all) this tp rank
+    (and ep rank) holds, in the order of its own parameters: cut a full layer whose
     parameters hold their own element numbers, the same way the model is cut, and read them."""
-    probe = gpt.whole_layer(model, i, torch.float64)
+    probe = gpt.layer_full(model, i, torch.float64)
     n = 0
     with torch.no_grad():
         for q in probe.parameters():
@@ -106,7 +106,7 @@ def element_numbers(
     return torch.cat([q.detach().reshape(-1) for q in cut]).long(), n
 
 
-def whole_flat(model: gpt.GPTConfig, i: int, tensors: list, tp_comm, ep_comm=None) -> torch.Tensor:
+def flat_full(model: gpt.GPTConfig, i: int, tensors: list, tp_comm, ep_comm=None) -> torch.Tensor:
     """Layer i's whole tensors, flat (float64), from every tp (and ep) rank's slices: tensors
     are this rank's, one per parameter of its cut of layer i, in order (values, or an
     optimizer's state of the same shapes). An all_gather of the values with their element

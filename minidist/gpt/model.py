@@ -1,13 +1,13 @@
 """A small GPT: the model of the main job, whole for one process and cut for dp x pp x tp.
 
-Equals: `whole_layers(config)` is the single-process model; `stage_chunks` gives this rank's
+Equals: `layers_full(config)` is the single-process model; `stage_chunks` gives this rank's
 pipeline chunks of the same model, every layer sliced for tensor parallelism with from_full, so
-the distributed model is the whole model cut, not a look-alike (train.py proves the training
+the distributed model is the full model cut, not a look-alike (train.py proves the training
 equal: float64 1e-12 relative).
 Communication per step: that of its parts (tensor_parallel/blocks.py for tp; pipeline/stage.py for
 pp), none of its own.
 Memory per rank: the parameters of its stage's layers, 1/tp of each tensor-parallel weight.
-Ladder: whole_layers (one process) -> parallel_layer (each layer cut over tp_comm) ->
+Ladder: layers_full (one process) -> parallel_layer (each layer cut over tp_comm) ->
 stage_chunks (the layers of this pipeline stage, balanced by parameter count).
 Paper: Radford et al., Language Models are Unsupervised Multitask Learners (GPT-2, 2019), the
 architecture (pre-LayerNorm blocks, a final LayerNorm, learned positions); this one is small,
@@ -122,8 +122,8 @@ def _table(rows: int, cols: int, seed: int, dtype) -> nn.Embedding:
     return emb
 
 
-def whole_layer(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
-    """Layer i of the whole model (0: Embedding, 1..L: blocks, L+1: Head), from the seed."""
+def layer_full(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
+    """Layer i of the full model (0: Embedding, 1..L: blocks, L+1: Head), from the seed."""
     c, seed = config, config.seed * 1000 + 10 * i  # each layer its own seeds, 10 apart
     if i == 0:
         return Embedding(
@@ -131,7 +131,7 @@ def whole_layer(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
             _table(c.seq_len, c.d_model, seed + 1, dtype),
         )
     if i <= c.n_layers and c.experts:
-        return moe.whole_block(c, seed, dtype)
+        return moe.block_full(c, seed, dtype)
     if i <= c.n_layers:
         return TransformerBlock(c.d_model, c.n_heads, c.d_ff, causal=True, seed=seed, dtype=dtype)
     if i == c.n_layers + 1:
@@ -142,9 +142,9 @@ def whole_layer(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
     raise ValueError(f"layer {i} does not exist: the model has {c.n_layers + 2} layers")
 
 
-def whole_layers(config: GPTConfig, dtype=torch.float32) -> list[nn.Module]:
+def layers_full(config: GPTConfig, dtype=torch.float32) -> list[nn.Module]:
     """The single-process model, as its L + 2 layers; nn.Sequential(*them) runs it."""
-    return [whole_layer(config, i, dtype) for i in range(config.n_layers + 2)]
+    return [layer_full(config, i, dtype) for i in range(config.n_layers + 2)]
 
 
 def parallel_layer(layer: nn.Module, tp_comm, ep_comm=None) -> nn.Module:
@@ -195,12 +195,12 @@ def stage_chunks(
     ep_comm=None,
 ) -> list[nn.Sequential]:
     """This rank's chunks: each an nn.Sequential of its layers cut over tp_comm (and the
-    experts over ep_comm). Only these layers are ever built, whole and then sliced (a larger
+    experts over ep_comm). Only these layers are ever built, full and then sliced (a larger
     model would draw the slices alone). recompute: every block checkpointed (its activations
     recomputed in backward). device: where the chunks go (built on the CPU, then moved)."""
     chunks = []
     for ids in layer_ids:
-        layers = [parallel_layer(whole_layer(config, i, dtype), tp_comm, ep_comm) for i in ids]
+        layers = [parallel_layer(layer_full(config, i, dtype), tp_comm, ep_comm) for i in ids]
         if recompute:
             blocks = (ParallelTransformerBlock, moe.MoEBlock)
             layers = [Recompute(x) if isinstance(x, blocks) else x for x in layers]
@@ -213,7 +213,7 @@ def unwrap(layer: nn.Module) -> nn.Module:
     return layer.block if isinstance(layer, Recompute) else layer
 
 
-def loss_whole(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def loss_full(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy over all B*T tokens: logits (B, T, V), targets (B, T)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,7 +1,7 @@
 """The mixture-of-experts variant of the main job's GPT: every block's MLP replaced by the MoE
 layer of expert_parallel/moe.py, its experts shared out over the mesh's ep group.
 
-Equals: train_whole on the same model with all E experts in one process, each block routing
+Equals: train_full on the same model with all E experts in one process, each block routing
 the whole batch in the same groups as the ranks do (one group per rank and microbatch: b = B /
 (dp m) sequences, b T / cp tokens, with cp each rank's zigzag chunks: context.token_order;
 capacity and the auxiliary loss are per group, as GShard and Switch define them), the
@@ -89,7 +89,7 @@ class MoEBlock(nn.Module):
         return AttachAux.apply(x + y.view_as(x), aux * self.aux_weight)
 
 
-def whole_block(config, seed: int, dtype) -> MoEBlock:
+def block_full(config, seed: int, dtype) -> MoEBlock:
     """Block `seed`'s MoE form: the attention and LayerNorms of the dense block with that
     seed, and an MoE (router and experts) drawn from seed + 5."""
     c = config
@@ -107,15 +107,15 @@ def parallel_block(block: MoEBlock, tp_comm, ep_comm=None) -> MoEBlock:
         raise ValueError(f"an MoE block is not cut over tp={tp_comm.world_size}")
     if ep_comm is None:
         return block
-    whole, first = block.moe, block.moe.experts[0]
-    d, d_ff, router = first.fc1.in_features, first.fc1.out_features, whole.router
+    full, first = block.moe, block.moe.experts[0]
+    d, d_ff, router = first.fc1.in_features, first.fc1.out_features, full.router
     moe = ExpertParallelMoE(
-        d, d_ff, len(whole.experts), ep_comm, router.k, router.capacity_factor, router.alpha,
+        d, d_ff, len(full.experts), ep_comm, router.k, router.capacity_factor, router.alpha,
         dtype=router.weight.dtype,
     )  # fmt: skip
     moe.router.load_state_dict(router.state_dict())
     for local, e in zip(moe.experts, range(moe.lo, moe.lo + moe.n_local), strict=True):
-        local.load_state_dict(whole.experts[e].state_dict())
+        local.load_state_dict(full.experts[e].state_dict())
     return MoEBlock(block.ln1, block.attn, block.ln2, moe)
 
 

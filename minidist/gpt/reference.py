@@ -1,14 +1,14 @@
 """The single-process check of the main job: the program every dp x pp x tp layout must equal
-(train_whole), and how far a run is from it (differences, within TOLERANCES). The distributed
+(train_full), and how far a run is from it (differences, within TOLERANCES). The distributed
 model is put back together to compare by gather.py.
 
-Equals: train_whole is the reference itself: nn.Sequential(whole_layers) on the whole batch,
+Equals: train_full is the reference itself: nn.Sequential(layers_full) on the whole batch,
 the same batches, AdamW (with the same weight-decay groups: replicas.decay_groups),
 learning-rate schedule and precision as train.py's ranks; any cp and tp alike (the same
 model cut otherwise); with experts, each block routes the batch in the groups the ranks'
 microbatches make (moe.group_blocks): one per dp rank, microbatch and cp rank, whatever ep.
 Communication: none (one process).
-Memory: the whole model and its optimizer state, in the run's dtype.
+Memory: the full model and its optimizer state, in the run's dtype.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --check
 """
 
@@ -30,11 +30,11 @@ from minidist.large_batches.lr import WarmupDecay, lr_at
 from minidist.mixed_precision.amp import MixedPrecisionOptimizer
 
 
-def train_whole(config: TrainConfig, data=None, on_step: Callable | None = None) -> dict:
-    """The single-process program every layout must equal: the whole model on the whole
+def train_full(config: TrainConfig, data=None, on_step: Callable | None = None) -> dict:
+    """The single-process program every layout must equal: the full model on the whole
     batch, same batches, same AdamW, same schedule, same precision."""
     data = load_bytes() if data is None else data
-    layers = gpt.whole_layers(config.model, DTYPES[config.dtype])
+    layers = gpt.layers_full(config.model, DTYPES[config.dtype])
     model = nn.Sequential(*layers)
     # MoE: the ranks' groups, each b T / cp tokens (b = B / (dp m)), the aux loss their mean
     m, cp, t = config.dp * config.microbatches, config.cp, config.model.seq_len
@@ -50,7 +50,7 @@ def train_whole(config: TrainConfig, data=None, on_step: Callable | None = None)
     losses, skipped, start = [], [], time.perf_counter()
     for step in range(config.steps):
         ids, targets = batch_at(data, step, config.batch, config.model.seq_len, config.seed)
-        loss = gpt.loss_whole(model(ids), targets)
+        loss = gpt.loss_full(model(ids), targets)
         (loss * scaler.scale).backward()
         if isinstance(optimizer, MixedPrecisionOptimizer):
             stepped = optimizer.step()

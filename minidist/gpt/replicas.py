@@ -15,13 +15,13 @@ The interface (Replicas):
   accumulating()  the pipeline step runs inside it: data parallelism waits for every microbatch
   on_backward(op) after every backward op of the pipeline (PipelineStage's hook)
   step() -> bool  the optimizer step, then zero_grad(); False: skipped (inf/nan in the world)
-  gathered()      whole parameters inside (ZeRO-3), to read them
+  gathered()      full parameters inside (ZeRO-3), to read them
   state()         this rank's slices by parameter name, {name: {"value", "exp_avg",
                   "exp_avg_sq"}}, AdamW's step and the scaler's state, on rank 0 of dp (None
                   elsewhere; collective over dp for ZeRO, which consolidates its shards)
   load(...)       the same put back, every rank its own slices (collective over dp for ZeRO)
   held_nbytes()   bytes of parameters and of optimizer state (with masters) held now
-Equals: the technique each wraps, unchanged: the composed run equals train_whole
+Equals: the technique each wraps, unchanged: the composed run equals train_full
 (tests/test_train.py), and state() then load() resumes it exactly (tests/test_resume.py).
 Lesson: lessons/12_3d_parallel/ (the composition, step 3).
 """
@@ -64,7 +64,7 @@ def decay_groups(module: nn.Module, tensors: list | None = None) -> list[dict]:
     optimizer's weight_decay); biases, LayerNorm weights and the token and position embeddings
     do not (weight_decay 0), as GPT-2/3 and minGPT train (a table row is decayed every step
     but gets a gradient only when its token appears). The rule reads each parameter's module
-    and dimensions, so the whole model and its tp slices split alike."""
+    and dimensions, so the full model and its tp slices split alike."""
     params = [q for q in module.parameters() if q.requires_grad]
     no_decay = set()
     for m in module.modules():

@@ -4,13 +4,13 @@ Equals: a run saved at step k and resumed equals the uninterrupted run: the same
 parameters (bitwise in the same layout; in another layout, as any two layouts agree: float64
 1e-12). The batches depend only on (seed, step), so the data needs no state.
 Communication (save, once): per layer, an all_gather over tp of the values and the optimizer
-state with their element numbers (gather.whole_flat); each stage of replica 0 sends its
+state with their element numbers (gather.flat_full); each stage of replica 0 sends its
 layers to stage 0 (pp); ZeRO first consolidates over dp (zero_state.consolidate). Load: none, but
 ZeRO's load_state_dict (rank 0 of dp sends each rank its pieces).
-Memory: the whole model and its optimizer state, in float64, on world rank 0 while saving.
+Memory: the full model and its optimizer state, in float64, on world rank 0 while saving.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train ... --save DIR, then --resume DIR
 
-What a file holds: the layout-free state (each layer's whole parameters, AdamW's exp_avg and
+What a file holds: the layout-free state (each layer's full parameters, AdamW's exp_avg and
 exp_avg_sq, flat in float64, which holds float32 exactly; AdamW's step; the loss scaler's and
 the learning-rate schedule's state; the step; the config). Each rank takes its own slices when
 it loads (element_numbers), so any layout can load any checkpoint of the same model.
@@ -31,7 +31,7 @@ from dataclasses import asdict
 import torch
 
 from minidist.gpt import model as gpt
-from minidist.gpt.gather import element_numbers, to_stage_zero, whole_flat
+from minidist.gpt.gather import element_numbers, flat_full, to_stage_zero
 from minidist.gpt.replicas import MOMENTS
 from minidist.gpt.train import Job
 
@@ -86,7 +86,7 @@ def save(job: Job, path: str) -> None:
             tensors = [
                 _or_zeros(state[n][key], q) for n, q in zip(names, layer.parameters(), strict=True)
             ]
-            rows.append(whole_flat(config.model, i, tensors, mesh.tp_comm))  # over tp
+            rows.append(flat_full(config.model, i, tensors, mesh.tp_comm))  # over tp
         mine[i] = torch.stack(rows)  # (3, n_i)
     mine = to_stage_zero(job, mine)  # over pp, to world rank 0
     if mine is None:
