@@ -32,7 +32,8 @@ import re
 import shutil
 import subprocess
 
-import labs
+import labs_cut
+from labs_table import LABS
 
 PRIVATE = (
     "instructor/",
@@ -45,7 +46,7 @@ PRIVATE = (
 
 def handed_out(path: str) -> bool:
     """Whether a tracked file goes into the student's copy."""
-    if path.startswith(PRIVATE) or path == os.path.relpath(labs.HANDOUT, labs.ROOT):
+    if path.startswith(PRIVATE) or path == os.path.relpath(labs_cut.HANDOUT, labs_cut.ROOT):
         return False
     name = os.path.basename(path)
     return not (path.startswith("lessons/") and name.startswith("lab") and name.endswith(".py"))
@@ -55,22 +56,22 @@ def cut_modules() -> dict[str, tuple[str, int]]:
     """{module path: (lesson, part)} for every file a lab cuts."""
     return {
         lab["module"]: (lesson, part)
-        for lesson in labs.LABS
-        for part, lab in enumerate(labs.parts(lesson))
+        for lesson in LABS
+        for part, lab in enumerate(labs_cut.parts(lesson))
     }
 
 
 def export(dest: str) -> list[str]:
     """Write the student's copy into the new folder `dest`; the files written."""
-    if labs.handout() is not None:
-        raise labs.LabError("this is already a student's copy: export from the instructor's")
+    if labs_cut.handout() is not None:
+        raise labs_cut.LabError("this is already a student's copy: export from the instructor's")
     if os.path.exists(dest) and os.listdir(dest):
-        raise labs.LabError(f"{dest} is not empty: export into a new folder")
+        raise labs_cut.LabError(f"{dest} is not empty: export into a new folder")
     tracked = subprocess.run(
-        ["git", "ls-files"], cwd=labs.ROOT, capture_output=True, text=True, check=True
+        ["git", "ls-files"], cwd=labs_cut.ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     cut = cut_modules()
-    readmes = {os.path.join(labs.LABS[x]["folder"], "README.md"): x for x in labs.LABS}
+    readmes = {os.path.join(LABS[x]["folder"], "README.md"): x for x in LABS}
     written = []
     for path in filter(handed_out, tracked):
         target = os.path.join(dest, path)
@@ -78,16 +79,18 @@ def export(dest: str) -> list[str]:
         if path in cut:
             with open(target, "w") as f:
                 lesson, part = cut[path]
-                f.write(labs.fresh(lesson, part=part))
+                f.write(labs_cut.fresh(lesson, part=part))
         elif path in readmes:
             with open(target, "w") as f:
-                f.write(for_copy(open(os.path.join(labs.ROOT, path)).read(), readmes[path]))
+                f.write(for_copy(open(os.path.join(labs_cut.ROOT, path)).read(), readmes[path]))
         else:
-            shutil.copy2(os.path.join(labs.ROOT, path), target)
+            shutil.copy2(os.path.join(labs_cut.ROOT, path), target)
         written.append(path)
-    record = os.path.join(dest, os.path.relpath(labs.HANDOUT, labs.ROOT))
+    record = os.path.join(dest, os.path.relpath(labs_cut.HANDOUT, labs_cut.ROOT))
     with open(record, "w") as f:
-        handed = {labs.handout_key(*at): labs.fresh(at[0], part=at[1]) for at in cut.values()}
+        handed = {
+            labs_cut.handout_key(*at): labs_cut.fresh(at[0], part=at[1]) for at in cut.values()
+        }
         json.dump(handed, f, indent=0)
     return written
 
@@ -96,7 +99,7 @@ def for_copy(readme: str, lesson: str) -> str:
     """A lesson's README as the copy needs it: the lab is the module itself, so "`lab.py` (a
     copy of `minidist/x.py`" reads "`minidist/x.py` (in this copy, the module itself", and every
     other mention of lab.py (lab_train.py) names the module."""
-    for lab in labs.parts(lesson):
+    for lab in labs_cut.parts(lesson):
         readme = readme.replace(
             f"`{lab['lab']}` (a copy of `{lab['module']}`",
             f"`{lab['module']}` (in this copy, the module itself",
@@ -110,20 +113,20 @@ def reference_lines(lesson: str, shortest: int = 16, part: int = 0) -> set[str]:
     `shortest` characters) found in no other code of minidist/ (common idioms,
     `self.optimizer.step()`, are no secret) nor outside the regions of its module: what no
     file of a copy may contain."""
-    module = labs.parts(lesson)[part]["module"]
-    text = open(os.path.join(labs.ROOT, module)).read()
-    outside = {line.strip() for line in labs.fresh(lesson, part=part).splitlines()}
+    module = labs_cut.parts(lesson)[part]["module"]
+    text = open(os.path.join(labs_cut.ROOT, module)).read()
+    outside = {line.strip() for line in labs_cut.fresh(lesson, part=part).splitlines()}
     cuts = cut_modules()
-    for here, _, files in os.walk(os.path.join(labs.ROOT, "minidist")):
+    for here, _, files in os.walk(os.path.join(labs_cut.ROOT, "minidist")):
         for name in files:
             path = os.path.join(here, name)
-            if name.endswith(".py") and os.path.relpath(path, labs.ROOT) != module:
-                cut = cuts.get(os.path.relpath(path, labs.ROOT))
-                other = labs.fresh(cut[0], part=cut[1]) if cut else open(path).read()
+            if name.endswith(".py") and os.path.relpath(path, labs_cut.ROOT) != module:
+                cut = cuts.get(os.path.relpath(path, labs_cut.ROOT))
+                other = labs_cut.fresh(cut[0], part=cut[1]) if cut else open(path).read()
                 outside |= {line.strip() for line in other.splitlines()}
     lines = text.splitlines()
     found = set()
-    for rid, start, end, _, _ in labs.regions(text, module):
+    for rid, start, end, _, _ in labs_cut.regions(text, module):
         if rid.startswith(lesson + "."):
             found |= {line.strip() for line in lines[start + 1 : end]}
     return {line for line in found - outside if len(line) >= shortest and not line.startswith("#")}
@@ -250,11 +253,11 @@ def region_formulas() -> list[tuple[str, str, int, list]]:
     """(region id, the expression, its number of names, its values at POINTS[0] under every
     order of its names) for every formula inside a lab region of a reference module."""
     out = []
-    for lesson in labs.LABS:
-        for lab in labs.parts(lesson):
-            text = open(os.path.join(labs.ROOT, lab["module"])).read()
+    for lesson in LABS:
+        for lab in labs_cut.parts(lesson):
+            text = open(os.path.join(labs_cut.ROOT, lab["module"])).read()
             tree = ast.parse(text)
-            for rid, start, end, _, _ in labs.regions(text, lab["module"]):
+            for rid, start, end, _, _ in labs_cut.regions(text, lab["module"]):
                 if not rid.startswith(lesson + "."):
                     continue
                 for _, expr, names, fn in _formulas(tree, range(start + 2, end + 1)):

@@ -34,13 +34,14 @@ import sys
 import tempfile
 import time
 
-import labs
+import labs_cut
+from labs_table import LABS
 
 TIMEOUT = "3"  # seconds a graded comm may wait: a correct lab waits milliseconds
 PURE_LIMIT = 12.0  # seconds an example may run outside the ranks (the longest takes about 3)
 TEST = re.compile(r"`(test_\w+)`")
 ROW = re.compile(r"^\|\s*(?:Lab )?(\d\d\.\d+)\b")
-GRADES = os.path.join(labs.ROOT, "out", "grades")  # the last grade of each lab, for `status`
+GRADES = os.path.join(labs_cut.ROOT, "out", "grades")  # the last grade of each lab, for `status`
 POLICY = (
     "a task's checks share its points: it earns points x checks passed / checks, rounded down "
     "to a tenth, all of them only when every check passes; after a check that hangs (times "
@@ -50,7 +51,7 @@ POLICY = (
 
 def tasks(lesson: str) -> dict[str, list[str]]:
     """{task id: the test functions that check it}, from the README's lab table and hidden tests."""
-    readme = os.path.join(labs.ROOT, labs.LABS[lesson]["folder"], "README.md")
+    readme = os.path.join(labs_cut.ROOT, LABS[lesson]["folder"], "README.md")
     found: dict[str, list[str]] = {}
     for line in open(readme).read().splitlines():
         row = ROW.match(line)
@@ -66,7 +67,7 @@ def tasks(lesson: str) -> dict[str, list[str]]:
 
 def points(lesson: str) -> dict[str, float]:
     """{task id: what it is worth}, from labs_table (10 a lab)."""
-    return labs.LABS[lesson]["points"]
+    return LABS[lesson]["points"]
 
 
 def earned(worth: float, passed: int, checks: int) -> float:
@@ -78,7 +79,9 @@ def earned(worth: float, passed: int, checks: int) -> float:
 
 def hidden(lesson: str) -> list[str]:
     """The instructor's hidden test files for the lab (none in a student's copy)."""
-    return sorted(glob.glob(os.path.join(labs.ROOT, "tests", "hidden", f"test_lab{lesson}*.py")))
+    return sorted(
+        glob.glob(os.path.join(labs_cut.ROOT, "tests", "hidden", f"test_lab{lesson}*.py"))
+    )
 
 
 class Outcomes:
@@ -239,7 +242,7 @@ def one_line(text: str, crash: str, task: str, limit: int = 220) -> str:
 
 def _clear_other_labs(lesson: str) -> None:
     """Every module outside the lab is the reference: drop other labs' MINIDIST_IMPL_*."""
-    mine = {labs.env_var(lesson, k) for k in range(len(labs.parts(lesson)))}
+    mine = {labs_cut.env_var(lesson, k) for k in range(len(labs_cut.parts(lesson)))}
     for key in [k for k in os.environ if k.startswith("MINIDIST_IMPL_") and k not in mine]:
         del os.environ[key]
 
@@ -253,14 +256,14 @@ def run_tests(
 
     _clear_other_labs(lesson)
     for part, path in enumerate(paths):
-        os.environ[labs.env_var(lesson, part)] = path
+        os.environ[labs_cut.env_var(lesson, part)] = path
     os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
     task_of = {test: task for task, tests in tasks(lesson).items() for test in tests}
     outcomes = Outcomes(only, task_of)
     quiet = ["--tb=short", "-q"] if verbose else ["-p", "no:terminal"]
-    args = [*labs.LABS[lesson]["grade"], *hidden(lesson), *quiet, "-p", "no:cacheprovider"]
+    args = [*LABS[lesson]["grade"], *hidden(lesson), *quiet, "-p", "no:cacheprovider"]
     old = os.getcwd()
-    os.chdir(labs.ROOT)
+    os.chdir(labs_cut.ROOT)
     try:
         pytest.main([*args, "-o", "addopts=", *extra], [outcomes, Limit()])
     finally:
@@ -342,13 +345,13 @@ def table(result: dict) -> str:
 def refusal(lesson: str, path: str, part: int = 0) -> str:
     """'' if the file may be graded, else why not: changed outside its regions, or borrowing."""
     try:
-        diff = labs.changed_outside(lesson, path, part)
-    except labs.LabError as e:
+        diff = labs_cut.changed_outside(lesson, path, part)
+    except labs_cut.LabError as e:
         return f"its lab markers are broken ({e}): put them back as generated"
     if diff:
         return f"it was changed outside its lab regions; only the regions may change:\n{diff}"
-    _, inside = labs.bodies(open(path).read(), lesson, path)
-    module = "minidist." + labs.parts(lesson)[part]["impl"]
+    _, inside = labs_cut.bodies(open(path).read(), lesson, path)
+    module = "minidist." + labs_cut.parts(lesson)[part]["impl"]
     for rid, body in sorted(inside.items()):
         if re.search(rf"\b{re.escape(module)}\b|import_module|__import__", body):
             return f"region {rid} uses the reference {module}: write the code yourself"
@@ -361,7 +364,7 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
     json (a path, '-': the JSON alone on stdout, the rest on stderr), junit, verbose, tasks
     (grade only these task ids), all (run the tests no task names too: their failures are
     listed, worth no points; by default only the checks run)."""
-    n = len(labs.parts(lesson))
+    n = len(labs_cut.parts(lesson))
     if files is not None and len(files) != n:
         print(f"lab {lesson}: --file takes {n} files, one per part, got {len(files)}")
         return 2
@@ -371,7 +374,7 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
             f"lab {lesson} has no task {sorted(only - set(tasks(lesson)))}: {sorted(tasks(lesson))}"
         )
         return 2
-    paths = [os.path.abspath(f) for f in files or [labs.lab_path(lesson, k) for k in range(n)]]
+    paths = [os.path.abspath(f) for f in files or [labs_cut.lab_path(lesson, k) for k in range(n)]]
     path = paths[0]
     shown = ", ".join(_shown(p) for p in paths)
     result = {"lesson": lesson, "file": shown, "sha256": _digest(path)}
@@ -388,7 +391,7 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
     # with --json -, stdout carries the JSON alone: the table and pytest's words go to stderr
     out = sys.stderr if options.get("json") == "-" else sys.stdout
     with contextlib.redirect_stdout(out):
-        print(f"lab {lesson}: grading {shown} (pytest {' '.join(labs.LABS[lesson]['grade'])})")
+        print(f"lab {lesson}: grading {shown} (pytest {' '.join(LABS[lesson]['grade'])})")
         start = time.monotonic()
         if options.get("junit"):
             extra = [*extra, f"--junitxml={os.path.abspath(options['junit'])}"]
@@ -400,13 +403,13 @@ def grade(lesson: str, files: list[str] | None, extra: list[str], options: dict)
         result["other_labs"] = other_labs(lesson)
         result["date"] = time.strftime("%Y-%m-%d %H:%M")
         print(table(result))
-        if result["other_labs"] and labs.handout() is not None:
+        if result["other_labs"] and labs_cut.handout() is not None:
             print(
                 f"these tests also load your labs {', '.join(result['other_labs'])}: a failure "
                 "may be theirs (the instructor grades each lab against the reference of the rest)"
             )
     _report(result, options)
-    if path == os.path.abspath(labs.lab_path(lesson)) and only is None:  # the learner's own lab
+    if path == os.path.abspath(labs_cut.lab_path(lesson)) and only is None:  # the learner's own lab
         os.makedirs(GRADES, exist_ok=True)
         with open(os.path.join(GRADES, f"{lesson}.json"), "w") as f:
             json.dump(result, f, indent=1)
@@ -423,9 +426,11 @@ def other_labs(lesson: str) -> list[str]:
     }
     return sorted(
         other
-        for other in labs.LABS
+        for other in LABS
         if other != lesson
-        if any(os.path.join(labs.ROOT, lab["module"]) in loaded for lab in labs.parts(other))
+        if any(
+            os.path.join(labs_cut.ROOT, lab["module"]) in loaded for lab in labs_cut.parts(other)
+        )
     )
 
 
@@ -440,7 +445,7 @@ def _report(result: dict, options: dict) -> None:
 
 
 def _shown(path: str) -> str:
-    return os.path.relpath(path, labs.ROOT) if path.startswith(labs.ROOT + os.sep) else path
+    return os.path.relpath(path, labs_cut.ROOT) if path.startswith(labs_cut.ROOT + os.sep) else path
 
 
 def _digest(path: str) -> str:
@@ -451,16 +456,16 @@ def _digest(path: str) -> str:
 def status() -> str:
     """One line per lab: its file, regions still unfilled, changed outside, last grade."""
     lines = [f"{'lab':<4} {'file':<40} {'unfilled':<16} last grade"]
-    for lesson, part in [(x, k) for x in labs.LABS for k in range(len(labs.parts(x)))]:
-        path = labs.lab_path(lesson, part)
-        shown = os.path.relpath(path, labs.ROOT)
+    for lesson, part in [(x, k) for x in LABS for k in range(len(labs_cut.parts(x)))]:
+        path = labs_cut.lab_path(lesson, part)
+        shown = os.path.relpath(path, labs_cut.ROOT)
         if not os.path.exists(path):
             lines.append(f"{lesson:<4} {shown:<40} missing")
             continue
         try:
-            left = labs.unfilled_regions(open(path).read(), lesson)
+            left = labs_cut.unfilled_regions(open(path).read(), lesson)
             left_text = ", ".join(left) or "none"
-        except labs.LabError:
+        except labs_cut.LabError:
             left_text = "markers broken"
         last = os.path.join(GRADES, f"{lesson}.json")
         graded = "never"
@@ -480,26 +485,26 @@ def _probe(lesson: str, cut: set[str]) -> Outcomes:
 
     folder = tempfile.mkdtemp(prefix="minidist-lab-")  # removed when the probe has run
     _clear_other_labs(lesson)
-    for part, lab in enumerate(labs.parts(lesson)):
+    for part, lab in enumerate(labs_cut.parts(lesson)):
         path = os.path.join(folder, lab["lab"])
         with open(path, "w") as f:
-            f.write(labs.fresh(lesson, cut, part))
-        os.environ[labs.env_var(lesson, part)] = path
+            f.write(labs_cut.fresh(lesson, cut, part))
+        os.environ[labs_cut.env_var(lesson, part)] = path
     # a deliberately broken lab: derandomized, no shrinking (tests/conftest.py), short waits
     os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
     for key in [k for k in sys.modules if k.startswith("minidist_lab_")]:
         del sys.modules[key]  # impl() caches the lab it loaded: load this one
     outcomes = Outcomes()
     quiet = ["-p", "no:cacheprovider", "-p", "no:terminal", "-o", "addopts="]
-    args = [*labs.LABS[lesson]["probe"], "-x", *quiet]
+    args = [*LABS[lesson]["probe"], "-x", *quiet]
     old = os.getcwd()
-    os.chdir(labs.ROOT)
+    os.chdir(labs_cut.ROOT)
     try:
         pytest.main([*args, "-W", "ignore::pytest.PytestAssertRewriteWarning"], [outcomes])
     finally:
         os.chdir(old)
-        for part in range(len(labs.parts(lesson))):
-            del os.environ[labs.env_var(lesson, part)]
+        for part in range(len(labs_cut.parts(lesson))):
+            del os.environ[labs_cut.env_var(lesson, part)]
         shutil.rmtree(folder, ignore_errors=True)
     return outcomes
 
@@ -507,9 +512,9 @@ def _probe(lesson: str, cut: set[str]) -> Outcomes:
 def unfilled(lesson: str) -> list[str]:
     """Check the probe tests pass on the filled lab and fail on each cut region; the problems."""
     ids = []
-    for lab in labs.parts(lesson):
-        module = open(os.path.join(labs.ROOT, lab["module"])).read()
-        ids += [r[0] for r in labs.regions(module) if r[0].startswith(lesson + ".")]
+    for lab in labs_cut.parts(lesson):
+        module = open(os.path.join(labs_cut.ROOT, lab["module"])).read()
+        ids += [r[0] for r in labs_cut.regions(module) if r[0].startswith(lesson + ".")]
     ids.sort()
     problems = []
     start = time.monotonic()

@@ -3,7 +3,7 @@ solution of the labs, and each must lose points.
 
 tests/hidden/mutants.py (the instructor's copy only) lists them: a Mutant replaces `old`, an
 exact snippet of a lab's reference module inside its task's region, by `new`. For each, this
-tool takes the lab with no region cut (labs.fresh(lesson, set(), part): the reference as a lab
+tool takes the lab with no region cut (labs_cut.fresh(lesson, set(), part): the reference as a lab
 file), plants the mutant, writes it (and the lab's other parts, unchanged) into a temporary
 folder it removes afterwards, and grades it in a fresh process with `grade NN --file ... --task
 NN.k`: the lesson's tests and the hidden tests that check the mutant's task, as a student's
@@ -23,10 +23,10 @@ import tempfile
 import textwrap
 import time
 
-import labs
+import labs_cut
 
-CATALOGUE = os.path.join(labs.ROOT, "tests", "hidden", "mutants.py")
-REPORT = os.path.join(labs.ROOT, "instructor", "mutants.md")
+CATALOGUE = os.path.join(labs_cut.ROOT, "tests", "hidden", "mutants.py")
+REPORT = os.path.join(labs_cut.ROOT, "instructor", "mutants.md")
 LIMIT = 15.0  # seconds a mutant may take to grade (a hang included)
 KILL = 120  # seconds after which its grading process is stopped
 
@@ -34,7 +34,9 @@ KILL = 120  # seconds after which its grading process is stopped
 def catalogue() -> list:
     """The Mutant entries of tests/hidden/mutants.py (the instructor's copy only)."""
     if not os.path.exists(CATALOGUE):
-        raise labs.LabError(f"no {os.path.relpath(CATALOGUE, labs.ROOT)}: the instructor's copy")
+        raise labs_cut.LabError(
+            f"no {os.path.relpath(CATALOGUE, labs_cut.ROOT)}: the instructor's copy"
+        )
     spec = importlib.util.spec_from_file_location("minidist_mutants", CATALOGUE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # before running it: dataclasses look their module up
@@ -45,31 +47,37 @@ def catalogue() -> list:
 def planted(mutant) -> str:
     """The lab file of mutant.module with the mutant planted: `old` replaced by `new` once.
     LabError, naming the mutant, unless `old` occurs exactly once, inside its task's region."""
-    text = labs.fresh(mutant.lab, set(), mutant.module)
+    text = labs_cut.fresh(mutant.lab, set(), mutant.module)
     where = f"mutant {mutant.task} {mutant.name!r}"
     count = text.count(mutant.old)
     if count != 1:
-        raise labs.LabError(f"{where}: its `old` occurs {count} times in the reference, not once")
+        raise labs_cut.LabError(
+            f"{where}: its `old` occurs {count} times in the reference, not once"
+        )
     line = text[: text.index(mutant.old)].count("\n")
     last = line + mutant.old.count("\n")
-    inside = [r for r in labs.regions(text) if r[0] == mutant.task and r[1] < line and last < r[2]]
+    inside = [
+        r for r in labs_cut.regions(text) if r[0] == mutant.task and r[1] < line and last < r[2]
+    ]
     if not inside:
-        raise labs.LabError(f"{where}: its `old` is not inside the region of {mutant.task}")
+        raise labs_cut.LabError(f"{where}: its `old` is not inside the region of {mutant.task}")
     return text.replace(mutant.old, mutant.new)
 
 
 def grade(mutant, folder: str) -> dict:
     """Grade one mutant in a fresh process; {earned, points, seconds, message} of its task."""
     paths = []
-    for part, lab in enumerate(labs.parts(mutant.lab)):
+    for part, lab in enumerate(labs_cut.parts(mutant.lab)):
         path = os.path.join(folder, lab["lab"])
         with open(path, "w") as f:
             f.write(
-                planted(mutant) if part == mutant.module else labs.fresh(mutant.lab, set(), part)
+                planted(mutant)
+                if part == mutant.module
+                else labs_cut.fresh(mutant.lab, set(), part)
             )
         paths.append(path)
     report = os.path.join(folder, "grade.json")
-    tool = os.path.join(labs.ROOT, "tools", "labs.py")
+    tool = os.path.join(labs_cut.ROOT, "tools", "labs.py")
     args = ["grade", mutant.lab, "--file", *paths, "--task", mutant.task, "--json", report]
     start = time.monotonic()
     try:
@@ -98,7 +106,7 @@ def score(mutants: list) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="minidist-mutant-") as folder:
             try:
                 got = grade(mutant, folder)
-            except labs.LabError as e:
+            except labs_cut.LabError as e:
                 got = {"earned": None, "points": None, "seconds": 0.0, "message": str(e)}
         row = {"lab": mutant.lab, "task": mutant.task, "mutant": mutant.name} | got
         row["caught"] = got["earned"] is not None and got["earned"] < got["points"]
@@ -143,7 +151,7 @@ def main(lessons: list[str], path: str | None = REPORT) -> int:
     it only); 1 if any passes or fails to grade."""
     mutants = [m for m in catalogue() if not lessons or m.lab in lessons]
     if not mutants:
-        raise labs.LabError(f"no mutants for labs {lessons or 'any'} in {CATALOGUE}")
+        raise labs_cut.LabError(f"no mutants for labs {lessons or 'any'} in {CATALOGUE}")
     print(HEAD)
     rows = score(mutants)
     if path:

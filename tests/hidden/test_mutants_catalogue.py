@@ -19,14 +19,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools import each other by name
 sys.path.insert(0, HERE)
-import labs  # noqa: E402
+import labs_cut  # noqa: E402
+from labs_table import LABS  # noqa: E402
 from mutants import MUTANTS  # noqa: E402
 
 pytestmark = pytest.mark.pure
 
 
 def module_text(lab: str, part: int) -> tuple[str, str]:
-    path = labs.parts(lab)[part]["module"]
+    path = labs_cut.parts(lab)[part]["module"]
     with open(os.path.join(ROOT, path)) as f:
         return path, f.read()
 
@@ -34,7 +35,7 @@ def module_text(lab: str, part: int) -> tuple[str, str]:
 def region_span(text: str, path: str, task: str) -> tuple[int, int] | None:
     """[start, end) character offsets of the lines between task's markers, None if absent."""
     lines = text.splitlines(keepends=True)
-    for rid, begin, end, _, _ in labs.regions(text, path):
+    for rid, begin, end, _, _ in labs_cut.regions(text, path):
         if rid == task:
             return sum(map(len, lines[: begin + 1])), sum(map(len, lines[:end]))
     return None
@@ -44,10 +45,10 @@ def test_every_old_snippet_occurs_once_inside_its_tasks_region():
     problems = []
     for m in MUTANTS:
         where = f"{m.lab} {m.task} {m.name!r}"
-        if m.lab not in labs.LABS or not m.task.startswith(m.lab + "."):
+        if m.lab not in LABS or not m.task.startswith(m.lab + "."):
             problems.append(f"{where}: no such lab or task")
             continue
-        if not 0 <= m.module < len(labs.parts(m.lab)):
+        if not 0 <= m.module < len(labs_cut.parts(m.lab)):
             problems.append(f"{where}: lab {m.lab} has no module {m.module}")
             continue
         path, text = module_text(m.lab, m.module)
@@ -75,9 +76,9 @@ def test_every_mutated_module_parses_and_keeps_its_markers():
         mutated = text.replace(m.old, m.new)
         try:
             ast.parse(mutated, path)
-            before = [r[0] for r in labs.regions(text, path)]
-            after = [r[0] for r in labs.regions(mutated, path)]
-        except (SyntaxError, labs.LabError) as e:
+            before = [r[0] for r in labs_cut.regions(text, path)]
+            after = [r[0] for r in labs_cut.regions(mutated, path)]
+        except (SyntaxError, labs_cut.LabError) as e:
             problems.append(f"{m.lab} {m.task} {m.name!r}: {type(e).__name__}: {e}")
             continue
         if before != after:
@@ -89,8 +90,8 @@ def test_every_lab_has_at_least_two_mutants_each_named_once():
     by_lab: dict[str, list[str]] = {}
     for m in MUTANTS:
         by_lab.setdefault(m.lab, []).append(m.name)
-    short = {lab: len(by_lab.get(lab, [])) for lab in labs.LABS if len(by_lab.get(lab, [])) < 2}
+    short = {lab: len(by_lab.get(lab, [])) for lab in LABS if len(by_lab.get(lab, [])) < 2}
     assert not short, f"labs with fewer than two mutants: {short}"
-    assert sorted(labs.LABS) == [f"{n:02d}" for n in range(1, 16)], sorted(labs.LABS)
+    assert sorted(LABS) == [f"{n:02d}" for n in range(1, 16)], sorted(LABS)
     repeated = {lab: names for lab, names in by_lab.items() if len(set(names)) < len(names)}
     assert not repeated, repeated
