@@ -24,6 +24,7 @@ import torch
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
+from minidist.collectives.overlap import Launcher
 from minidist.comm.protocol import OPS
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.testing import (
@@ -320,12 +321,11 @@ def test_ring_mirrors_library_semantics(p):
 def launched(comm, n_per_rank: int) -> None:
     """Launcher: the library and the ring, started without waiting (two in flight at once),
     give the same sums and gathers (integer-valued: exact); every Work has is_completed."""
-    C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
     inp = integer_valued((p * n_per_rank,), torch.float32, 3, rank=r)  # (p n,)
     got = {}
     for algorithm in ("library", "ring"):
-        launcher = C.Launcher(comm, algorithm)
+        launcher = Launcher(comm, algorithm)
         summed, shard, whole = inp.clone(), torch.empty(n_per_rank), torch.empty(p * n_per_rank)
         works = [launcher.all_reduce(summed), launcher.reduce_scatter(shard, inp)]
         for work in works:
@@ -343,7 +343,7 @@ def launched(comm, n_per_rank: int) -> None:
 def test_launcher_ring_matches_library(p):
     run_threads(launched, p, 5, **FAST)
     with pytest.raises(ValueError, match="algorithm='tree' is not 'library' or 'ring'"):
-        impl("collectives.algorithms").Launcher(None, "tree")
+        Launcher(None, "tree")
 
 
 def bad_arguments(comm) -> list[str]:

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minidist.collectives.algorithms import Launcher
+from minidist.collectives.overlap import Launcher
 from minidist.mixed_precision.amp import LossScaler, Precision, skip_step
 from minidist.zero import gatherer
 

@@ -16,8 +16,8 @@ Memory per rank: naive and recursive doubling N b extra, the ring 2 pieces (at m
 Tags: each collective's messages carry its own (comm/tagged.py): never taken by another one.
 Ladder: naive (root folds in rank order) -> recursive_doubling (log2 p rounds, for small
 messages) -> ring_reduce_scatter + ring_all_gather = ring_all_reduce (bandwidth-optimal) ->
-all_reduce picks by size -> Launcher (start one without waiting: the library's own, or the
-ring on a worker thread, to overlap with compute) -> all_to_all (uneven rows to every rank).
+all_reduce picks by size -> all_to_all (uneven rows to every rank); started without waiting, to
+overlap with compute: collectives/overlap.py.
 Paper: Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in
 MPICH" (IJHPCA 2005), sections 4.4-4.5; Patarasuk, Yuan, "Bandwidth optimal all-reduce
 algorithms for clusters of workstations" (JPDC 2009), section 3.
@@ -25,10 +25,6 @@ Lesson: lessons/02_collectives/.   Run: minidist bench allreduce -n 2 --backend 
 """
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from types import SimpleNamespace
 
 import torch
 
@@ -362,39 +358,3 @@ def all_reduce(
     if algorithm == "ring":
         return ring_all_reduce(t, comm, op)
     raise ValueError(f"algorithm={algorithm!r} is not 'auto' or one of {ALGORITHMS}")
-
-
-class Launcher:
-    """Starts collectives and returns a Work: the comm's own (asynchronous) ones, or the
-    hand-written ring ones on one background thread (they are blocking code), so either
-    overlaps with compute. data_parallel and zero launch their buckets through it.
-
-    algorithm: "library" or "ring". With the ring, one worker runs the collectives in launch
-    order, the same order on every rank (two at once would interleave their messages).
-    """
-
-    def __init__(self, comm: Comm, algorithm: str = "library"):
-        if algorithm not in ("library", "ring"):
-            raise ValueError(f"algorithm={algorithm!r} is not 'library' or 'ring'")
-        self.comm, self.algorithm = comm, algorithm
-        self.pool = ThreadPoolExecutor(1) if algorithm == "ring" else None
-
-    def _start(self, library_work, ring_fn, *args) -> Work:
-        if self.pool is None:
-            return library_work()
-        future = self.pool.submit(ring_fn, *args, self.comm)
-        # a Work; not future.wait = future.result: that cycle would keep a buffer alive until gc
-        return SimpleNamespace(wait=future.result, is_completed=future.done)
-
-    def all_reduce(self, t: torch.Tensor) -> Work:
-        """Start summing t in place over every rank (see ring_all_reduce)."""
-        return self._start(partial(self.comm.iall_reduce, t, "sum"), ring_all_reduce, t)
-
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
-        """Start filling out with this rank's chunk of the sum of inp (see ring_reduce_scatter)."""
-        issue = partial(self.comm.ireduce_scatter, out, inp, "sum")
-        return self._start(issue, ring_reduce_scatter, out, inp)
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
-        """Start filling out with every rank's inp, in rank order (see ring_all_gather)."""
-        return self._start(partial(self.comm.iall_gather, out, inp), ring_all_gather, out, inp)

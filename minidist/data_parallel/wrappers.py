@@ -43,7 +43,7 @@ import contextlib
 import torch
 from torch import nn
 
-from minidist.collectives.algorithms import Launcher
+from minidist.collectives.overlap import Launcher
 
 
 def shard(batch: torch.Tensor, comm) -> torch.Tensor:

@@ -69,8 +69,8 @@ from minidist.zero.units import Unit
 class Gatherer:
     """ZeRO-3's hooks: each unit whole just before its module's forward and again before its
     backward (prefetching the next one), freed after. order[i]: the Unit of modules[i], in
-    forward order; launcher: the all-gathers' (collectives.Launcher). The caller (zero.ZeRO3)
-    frees a unit once all its gradients are in, and calls publish after each step."""
+    forward order; launcher: the all-gathers' (collectives/overlap.py's Launcher). The caller
+    (zero.ZeRO3) frees a unit once all its gradients are in, and calls publish after each step."""
 
     def __init__(self, module: nn.Module, modules: list, order: list, launcher, prefetch: bool):
         self.order, self.launcher, self.prefetch = order, launcher, prefetch
