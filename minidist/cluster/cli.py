@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -38,24 +39,44 @@ from minidist.cluster import search as plan_search
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
 ONLY = ("dp", "pp", "tp", "microbatch_size", "chunks")  # the --flags that pick layouts
-POSITIVE = ("gpus", "batch", "top", "layers", "hidden", "heads", "ffn", "vocab", "seq_len", *ONLY)
+# Every whole-number flag's range. Past these no run is planned (the largest published clusters
+# hold about 10^5 GPUs, the largest models about 10^2 layers and 10^4-10^5 wide), and the search's
+# work grows with the GPU count's divisors and the layers: the bounds keep it to seconds.
+LIMITS = {
+    "gpus": (1, 1 << 20),
+    "batch": (1, 1 << 24),
+    "top": (1, 10_000),
+    "layers": (1, 10_000),
+    "hidden": (1, 1 << 20),
+    "heads": (1, 1 << 16),
+    "ffn": (1, 1 << 22),
+    "vocab": (1, 1 << 24),
+    "seq_len": (1, 1 << 24),
+    "dp": (1, 1 << 20),
+    "pp": (1, 10_000),
+    "tp": (1, 1 << 16),
+    "microbatch_size": (1, 1 << 24),
+    "chunks": (1, 10_000),
+}
+MOST_TOKENS = 1e16  # a run's budget: Llama 3 trained on 1.56e13
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the best layouts of a model on a cluster, from formulas")
     models = ", ".join(plan.SHAPES)
     p.add_argument("--model", help=f"one of {models} (gpt3-175b; minidist with --cluster this)")
+    # numbers arrive as text and are read by numbers(): a bad one is refused in one line
     for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq-len"):
-        p.add_argument(f"--{flag}", type=int, help="override the model's shape")
+        p.add_argument(f"--{flag}", help="override the model's shape")
     p.add_argument(
         "--cluster", default="dgx-a100", help=f"one of {', '.join(clusters.PRESETS)}, this"
     )
     p.add_argument(
         "--calibration", help="with --cluster this: `minidist bench p2p --json`'s output"
     )
-    p.add_argument("--gpus", type=int, default=64)
-    p.add_argument("--batch", type=int, default=512, help="sequences per step, all GPUs")
-    p.add_argument("--tokens", type=float, default=300e9, help="the run's token budget")
+    p.add_argument("--gpus", default=64)
+    p.add_argument("--batch", default=512, help="sequences per step, all GPUs")
+    p.add_argument("--tokens", default=300e9, help="the run's token budget")
     p.add_argument("--recompute", choices=("none", "selective", "full"), help="only this one")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
@@ -64,16 +85,57 @@ def add_parser(sub) -> None:
         "--ends", action="store_true", help="the embedding and the head as stages (Llama 3)"
     )
     for flag in ONLY:
-        p.add_argument(f"--{flag.replace('_', '-')}", type=int, help="only layouts with this")
-    p.add_argument("--top", type=int, default=5)
+        p.add_argument(f"--{flag.replace('_', '-')}", help="only layouts with this")
+    p.add_argument("--top", default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", help="draw the time breakdown of the best layouts here")
     p.set_defaults(func=main)
 
 
+def numbers(args) -> list[str]:
+    """Read every numeric flag's text into its number, in place; one line per flag that is not
+    a number, or is outside LIMITS (tokens: positive, at most MOST_TOKENS), naming the number.
+    A whole number may be written 1e3; 1e30 is read, then refused as too large."""
+    found = []
+    for flag, (low, high) in LIMITS.items():
+        text, name = getattr(args, flag), f"--{flag.replace('_', '-')}"
+        if text is None or isinstance(text, int):
+            value = text
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                value = _whole(text)
+        if value is None and text is not None:
+            found.append(f"{name}={text} is not a whole number")
+        elif value is not None and value < low:
+            found.append(f"{name}={value} must be at least {low}")
+        elif value is not None and value > high:
+            found.append(f"{name}={text} must be at most {high}")
+        setattr(args, flag, value)
+    try:
+        args.tokens = float(args.tokens)
+    except ValueError:
+        return [*found, f"--tokens={args.tokens} is not a number"]
+    if not 0 < args.tokens <= MOST_TOKENS:
+        found.append(f"--tokens={args.tokens} must be positive and at most {MOST_TOKENS:g}")
+    return found
+
+
+def _whole(text: str) -> int | None:
+    """1e3 -> 1000; None if text is no finite whole number."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) and value == int(value) else None
+
+
 def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     """The shape and cluster the flags ask for, and every reason they cannot be used."""
-    found = []
+    found = numbers(args)
+    if found:
+        return None, None, found
     args.model = args.model or ("minidist" if args.cluster == "this" else "gpt3-175b")
     if args.model not in plan.SHAPES:
         found.append(f"unknown model {args.model!r}; known: {', '.join(plan.SHAPES)}")
@@ -83,12 +145,6 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append(f"--calibration {args.calibration}: no such file")
     elif args.cluster not in clusters.PRESETS and args.cluster != "this":
         found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
-    for flag in POSITIVE:
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            found.append(f"--{flag.replace('_', '-')}={value} must be at least 1")
-    if not args.tokens > 0:
-        found.append(f"--tokens={args.tokens} must be positive")
     if args.ends and args.cluster == "this":
         found.append("--ends: minidist train's pipeline gives the embedding and head no stages")
     if args.png and not os.path.isdir(os.path.dirname(os.path.abspath(args.png))):
@@ -98,6 +154,9 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     shape = derived_shape(args)
     if shape.hidden % shape.heads:
         found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
+    if args.batch * shape.seq > args.tokens:  # the run would be less than one step
+        need = f"--batch={args.batch} x {shape.seq} tokens"
+        found.append(f"one step of {need} is more than --tokens={args.tokens:g}")
     if args.cluster != "this":
         return shape, clusters.preset(args.cluster), found
     found += calibrate.problems(shape)

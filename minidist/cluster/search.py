@@ -11,7 +11,11 @@ Run: minidist plan --model llama-70b --cluster dgx-h100 --gpus 512 --batch 1024
 
 from __future__ import annotations
 
+import math
+import sys
 from itertools import product
+
+from tqdm import tqdm
 
 from minidist.cluster.hardware import Cluster
 from minidist.cluster.plan import Layout, Shape, calibrated, evaluate
@@ -23,11 +27,19 @@ def layouts(shape: Shape, cluster: Cluster, gpus: int, batch: int, scatter=True,
     embedding and the head as pipeline slots of their own) where pp > 1 if asked;
     plan.problems() filters."""
     for tp in (t for t in (1, 2, 4, 8, 16) if t <= 2 * cluster.gpus_per_node and gpus % t == 0):
-        for pp in (p for p in range(1, shape.layers + 1) if (gpus // tp) % p == 0):
+        for pp in divisors(gpus // tp, shape.layers):
             for v, zero, b, recompute, sp in _options(tp):
                 if v == 1 or pp > 1:  # chunks of one stage interleave with nothing
                     dp, end = gpus // (tp * pp), ends and pp > 1
                     yield Layout(dp, pp, tp, v, zero, b, recompute, sp, scatter, end)
+
+
+def divisors(n: int, most: int) -> list[int]:
+    """The divisors of n up to most, smallest first: trials up to sqrt(n), so a million GPUs
+    or a billion layers cost a thousand steps, not a million."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    every = sorted({*small, *(n // d for d in small)})
+    return [d for d in every if d <= most]
 
 
 def _options(tp: int):
@@ -45,6 +57,9 @@ def search(
     eff = eff or calibrated(cluster)
     candidates = layouts(shape, cluster, gpus, batch, scatter, ends)
     candidates = [x for x in candidates if allowed is None or allowed(x)]
-    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e) for x in candidates]
+    # a GPU count with many divisors (720,720 has 240) means 10^5 layouts, tens of seconds: a bar
+    quiet = len(candidates) < 20_000 or not sys.stderr.isatty()
+    bar = tqdm(candidates, "pricing layouts", disable=quiet, leave=False)
+    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e) for x in bar]
     ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
     return ok, [q for q in plans if q.why_not]

@@ -1,0 +1,62 @@
+"""`minidist plan` on bad input: every numeric flag range-checked, refused in one line with the
+number and exit 2, at once and in bounded memory (minidist/cluster/cli.py: numbers, LIMITS).
+
+Each case is one a user met: a GPU count of a billion grew the planner to 21 GB (a tuple of every
+rank), a batch of 1e30 printed "101.1 days" with exit 0, 1e9 layers ran for minutes (every pipeline
+depth up to the layers was tried), "abc" printed argparse's usage before its error, 1e12 GPUs
+ended in a MemoryError. Timed and measured in this process, from the parsed flags to the refusal.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+
+from minidist.cluster import search as plan_search
+
+try:
+    from .test_plan import run_cli
+except ImportError:  # run as a script
+    from test_plan import run_cli
+
+pytestmark = pytest.mark.pure
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--gpus", "1000000000", "--batch", "1000000000"], "--gpus=1000000000 must be at most"),
+        (["--batch", "1e30"], "--batch=1e30 must be at most 16777216"),
+        (["--layers", "1e9"], "--layers=1e9 must be at most 10000"),
+        (["--gpus", "abc"], "--gpus=abc is not a whole number"),
+        (["--gpus", "1e12", "--batch", "1e12"], "--gpus=1e12 must be at most 1048576"),
+        (["--tokens", "nan"], "--tokens=nan must be positive"),
+        (["--tokens", "1e3"], "one step of --batch=512 x 2048 tokens is more than --tokens=1000"),
+        (["--heads", "2.5"], "--heads=2.5 is not a whole number"),
+        (["--tp", "0"], "--tp=0 must be at least 1"),
+    ],
+)
+def test_bad_numbers_are_refused_in_a_line_at_once(args, line, capsys):
+    tracemalloc.start()
+    start = time.perf_counter()
+    code, out, err = run_cli(capsys, *args)
+    seconds = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert code == 2 and line in err and not out, (code, out, err)
+    assert all(row.startswith("minidist plan: ") for row in err.splitlines()), err  # no usage
+    assert seconds < 1.0 and peak < 50e6, (seconds, peak)
+
+
+def test_a_whole_number_may_be_written_with_an_exponent(capsys):
+    code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "6.4e1", "--batch", "5.12e2")
+    assert code == 0 and "on 64 x A100" in out, err
+
+
+def test_pipeline_depths_are_the_divisors_not_every_number_up_to_the_layers():
+    assert plan_search.divisors(720720, 10**9)[-3:] == [240240, 360360, 720720]
+    assert len(plan_search.divisors(720720, 10**9)) == 240
+    assert plan_search.divisors(64, 10) == [1, 2, 4, 8]
+    assert plan_search.divisors(1, 1) == [1]
