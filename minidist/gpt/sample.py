@@ -32,7 +32,7 @@ PROMPT = "\n"
 def load_flat(model: gpt.GPTConfig, flats: list[torch.Tensor], dtype=torch.float32) -> nn.Module:
     """The single-process model with each layer's parameters set from flats[i], layer i's full
     parameters laid end to end (a checkpoint's "value", gather's full parameters)."""
-    layers = [gpt.whole_layer(model, i, dtype) for i in range(model.n_layers + 2)]
+    layers = [gpt.layer_full(model, i, dtype) for i in range(model.n_layers + 2)]
     for i, (layer, flat) in enumerate(zip(layers, flats, strict=True)):
         params = list(layer.parameters())
         n = sum(q.numel() for q in params)
