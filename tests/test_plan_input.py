@@ -5,10 +5,13 @@ Each case is one a user met: a GPU count of a billion grew the planner to 21 GB 
 rank), a batch of 1e30 printed "101.1 days" with exit 0, 1e9 layers ran for minutes (every pipeline
 depth up to the layers was tried), "abc" printed argparse's usage before its error, 1e12 GPUs
 ended in a MemoryError. Timed and measured in this process, from the parsed flags to the refusal.
+A picked layout that cannot run says why (--tp 3, --chunks 3 and --microbatch-size 3 were once
+refused as "no layout runs" and nothing more), in text and in the JSON.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import tracemalloc
 
@@ -60,3 +63,38 @@ def test_pipeline_depths_are_the_divisors_not_every_number_up_to_the_layers():
     assert len(plan_search.divisors(720720, 10**9)) == 240
     assert plan_search.divisors(64, 10) == [1, 2, 4, 8]
     assert plan_search.divisors(1, 1) == [1]
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--tp", "3"], "--tp=3 does not divide --gpus=64"),
+        (["--chunks", "3", "--pp", "1"], "--chunks=3 interleaves pipeline stages: it needs --pp"),
+        (["--dp", "4", "--pp", "4", "--tp", "2"], "= 32, which leaves no whole dp x pp x tp"),
+        (["--model", "llama-7b", "--tp", "3", "--gpus", "96"], "heads=32 (kv heads 32) are not"),
+        (["--microbatch-size", "3"], "layouts: batch=512 is not divisible by dp=2 x b=3"),
+    ],
+)
+def test_a_picked_layout_that_cannot_run_is_refused_with_its_reason(args, line, capsys):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and line in err, err
+    assert "no layout" in err or len(err.splitlines()) == 1, err
+
+
+def test_the_json_lists_the_refusal_reasons_with_their_counts(capsys):
+    code, out, _ = run_cli(capsys, "--microbatch-size", "3", "--json")
+    got = json.loads(out)
+    assert code == 2 and got["layouts"] == []
+    reasons = {r["reason"]: r["layouts"] for r in got["refused"]}
+    assert reasons["batch=512 is not divisible by dp=2 x b=3"] > 0, reasons
+    code, out, _ = run_cli(capsys, "--model", "llama-7b", "--json")  # runs: reasons all the same
+    got = json.loads(out)
+    assert code == 0 and got["layouts"] and got["refused"][0]["layouts"] > 0
+
+
+@pytest.mark.parametrize("flag,value,key", [("--chunks", 3, "v"), ("--tp", 32, "tp")])
+def test_a_pick_off_the_search_grid_is_priced(flag, value, key, capsys):
+    # interleaving by 3 and tp over four nodes: outside the default grid, tried when asked
+    code, out, err = run_cli(capsys, flag, str(value), "--json")
+    assert code == 0, err
+    assert {row["layout"][key] for row in json.loads(out)["layouts"]} == {value}

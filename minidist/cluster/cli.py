@@ -14,7 +14,10 @@
 Prints the best layouts (plan_search.search) with the step time by part, tokens/s, MFU, memory per
 GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
 PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
-refused for which reason. Bad input is refused with one line per reason (exit 2).
+refused for which reason (--json: "refused", each reason with its count; also when none
+runs). Bad input is refused with one line per reason (exit 2): every number is read here
+(numbers) and one outside LIMITS is refused with its value before any work; a picked dp, pp or
+tp that cannot divide the GPUs is refused with the numbers (pick_problems).
 `--cluster this` is this computer, one rank per core, as cluster/calibrate.py measures it: alpha and
 B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
 own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
@@ -152,6 +155,7 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     if found:
         return None, None, found
     shape = derived_shape(args)
+    found += pick_problems(args)
     if shape.hidden % shape.heads:
         found.append(f"hidden={shape.hidden} is not divisible by heads={shape.heads}")
     if args.batch * shape.seq > args.tokens:  # the run would be less than one step
@@ -164,6 +168,29 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         return shape, calibrate.Machine(args.calibration, shape), found
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         return shape, None, [*found, f"--calibration {args.calibration}: {e}"]
+
+
+def pick_problems(args) -> list[str]:
+    """Why the picked --dp, --pp, --tp, --chunks can be no layout of --gpus at all, with the
+    numbers (the rest, heads, layers, batch, memory, plan.problems() says layout by layout)."""
+    found, gpus = [], args.gpus
+    picks = {k: getattr(args, k) for k in ("dp", "pp", "tp") if getattr(args, k) is not None}
+    for k, v in picks.items():
+        if gpus % v:
+            found.append(f"--{k}={v} does not divide --gpus={gpus}")
+    product = math.prod(picks.values())
+    if not found and (gpus % product or (len(picks) == 3 and product != gpus)):
+        what = " x ".join(f"--{k}={v}" for k, v in picks.items())
+        found.append(f"{what} = {product}, which leaves no whole dp x pp x tp = --gpus={gpus}")
+    if (args.chunks or 1) > 1 and args.pp == 1:
+        found.append(f"--chunks={args.chunks} interleaves pipeline stages: it needs --pp > 1")
+    return found
+
+
+def _picked(args) -> dict:
+    """The dimensions held to one value, as search.layouts() takes them."""
+    names = {"tp": args.tp, "pp": args.pp, "v": args.chunks, "b": args.microbatch_size}
+    return {k: v for k, v in names.items() if v is not None}
 
 
 def derived_shape(args) -> plan.Shape:
@@ -206,16 +233,30 @@ def main(args: argparse.Namespace) -> int:
         rows = [_row(shape, machine.cluster_for(q.layout), args, q) for q in ok]
     else:
         flash = not args.no_flash
+        picked = _picked(args)
         ok, refused = plan_search.search(
-            shape, cluster, args.gpus, args.batch, None, flash, allowed, ends=args.ends
+            shape,
+            cluster,
+            args.gpus,
+            args.batch,
+            None,
+            flash,
+            allowed,
+            ends=args.ends,
+            picked=picked,
         )
         rows = [_row(shape, cluster, args, q) for q in ok]
+    reasons = [{"reason": why, "layouts": n} for why, n in _reasons(refused).most_common()]
     if not ok:
+        if args.json:
+            print(json.dumps({"model": asdict(shape), "cluster": cluster.name, "layouts": []}
+                             | {"refused": reasons}))  # fmt: skip
         _refuse_all(shape, cluster, args, refused)
         return 2
     measured = machine.measured() if machine else None  # --cluster this
     if args.json:
         got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
+        got["refused"] = reasons
         print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
         _print(shape, cluster, args, rows[: args.top], refused)
@@ -234,12 +275,16 @@ def _refuse_all(shape, cluster, args, refused) -> None:
     """No layout runs: say so, and what the leanest one would need."""
     say = lambda line: print(f"minidist plan: {line}", file=sys.stderr)  # noqa: E731
     say(f"no layout of {shape.name} runs on {args.gpus} GPUs of {cluster.name}")
+    if not refused:  # every layout was filtered out before it was priced
+        say("no layout has the recompute, ZeRO stage and sequence parallelism asked for")
     sized = [q for q in refused if q.memory]
     if sized:
         lean = min(sized, key=lambda q: sum(q.memory.values()))
         say(f"the leanest, {_name(asdict(lean.layout))}: {lean.why_not[0]}")
     for reason, n in _reasons(refused).most_common(3):
         say(f"{n} layouts: {reason}")
+    if len(_reasons(refused)) > 3:
+        say(f"and {len(_reasons(refused)) - 3} other reasons (--json lists them all)")
 
 
 def _reasons(refused) -> Counter:
