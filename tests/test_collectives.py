@@ -403,32 +403,32 @@ def counted(comm, what: str, n: int) -> dict:
 
 @pytest.mark.threads
 @pytest.mark.parametrize("p", range(1, 9))
-@pytest.mark.parametrize("pieces", [1, 3])
-def test_ring_sends_2_p_minus_1_over_p_of_the_bytes_to_the_right_only(p, pieces, monkeypatch):
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_ring_sends_2_p_minus_1_over_p_of_the_bytes_to_the_right_only(p, fragments, monkeypatch):
     n = 12 * p  # divisible by p: 2 (p-1) chunks of 12 float32s
-    # reduce-scatter chunks go in `pieces` messages each, all-gather chunks in one
-    monkeypatch.setattr(impl("collectives.algorithms"), "PIECE_BYTES", 12 * 4 // pieces)
+    # reduce-scatter chunks go in `fragments` messages each, all-gather chunks in one
+    monkeypatch.setattr(impl("collectives.algorithms"), "FRAGMENT_BYTES", 12 * 4 // fragments)
     for r, tally in enumerate(run_threads(counted, p, "ring", n)):
         right = (r + 1) % p
         expected = {} if p == 1 else {right: 2 * (p - 1) * n * 4 // p}
         assert tally["sent_to"] == expected, f"rank {r}"
-        messages = (p - 1) * pieces + (p - 1)
+        messages = (p - 1) * fragments + (p - 1)
         assert tally["messages_to"] == ({} if p == 1 else {right: messages}), f"rank {r}"
 
 
 @pytest.mark.threads
 @pytest.mark.parametrize("p", range(1, 9))
-@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("fragments", [1, 3])
 def test_ring_reduce_scatter_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only(
-    p, pieces, monkeypatch
+    p, fragments, monkeypatch
 ):
-    """The reduce-scatter half alone (lab 02.1): (p-1) chunks of n/p, each in `pieces`."""
+    """The reduce-scatter half alone (lab 02.1): (p-1) chunks of n/p, each in `fragments`."""
     n = 12 * p
-    monkeypatch.setattr(impl("collectives.algorithms"), "PIECE_BYTES", 12 * 4 // pieces)
+    monkeypatch.setattr(impl("collectives.algorithms"), "FRAGMENT_BYTES", 12 * 4 // fragments)
     for r, tally in enumerate(run_threads(counted, p, "reduce_scatter", n)):
         right = (r + 1) % p
         assert tally["sent_to"] == ({} if p == 1 else {right: (p - 1) * n * 4 // p}), f"rank {r}"
-        messages = {} if p == 1 else {right: (p - 1) * pieces}
+        messages = {} if p == 1 else {right: (p - 1) * fragments}
         assert tally["messages_to"] == messages, f"rank {r}"
 
 
@@ -445,9 +445,9 @@ def test_ring_all_gather_sends_p_minus_1_over_p_of_the_bytes_to_the_right_only(p
 
 @pytest.mark.threads
 @pytest.mark.parametrize("p", [2, 3, 5])
-def test_ring_in_many_pieces(p, monkeypatch):
-    # 12 bytes a piece: 1 to 12 elements per message, chunks not a multiple of a piece
-    monkeypatch.setattr(impl("collectives.algorithms"), "PIECE_BYTES", 12)
+def test_ring_in_many_fragments(p, monkeypatch):
+    # 12 bytes a fragment: 1 to 12 elements per message, chunks not a multiple of a fragment
+    monkeypatch.setattr(impl("collectives.algorithms"), "FRAGMENT_BYTES", 12)
     for op, dtype, shape in [
         ("sum", torch.float32, (7, 5)),
         ("avg", torch.float64, (23,)),
@@ -534,9 +534,9 @@ def properties_in_ranks(comm, max_examples: int) -> int:
         problem = ""
         if comm.rank < k:  # the ranks outside the sub-world sit this example out
             sub = subs[k]
-            # every other case moves the ring's chunks in pieces of 8 bytes: many messages in
+            # every other case moves the ring's chunks in fragments of 8 bytes: many messages in
             # a row between two ranks must arrive in order on every backend
-            impl("collectives.algorithms").PIECE_BYTES = 8 if seed % 2 else 1 << 20
+            impl("collectives.algorithms").FRAGMENT_BYTES = 8 if seed % 2 else 1 << 20
             try:
                 for algorithm in ALL_REDUCE:
                     all_reduce_case(sub, algorithm, op, dtype, shape, seed, strided)

@@ -37,7 +37,7 @@ NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 class Wrapped(nn.Module):
-    """A chunk that is not an nn.Sequential: ZB's B/W split treats it as one piece."""
+    """A chunk that is not an nn.Sequential: ZB's B/W split treats it as one layer."""
 
     def __init__(self, layers: list[nn.Module]):
         super().__init__()

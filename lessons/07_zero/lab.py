@@ -6,7 +6,7 @@
 # `make lab L=07`. Until you do, imports and variables look unused, and names your
 # code defines look undefined to linters:
 # ruff: noqa: F401, F821, F841
-"""ZeRO: data parallelism that keeps each piece of model state on one rank instead of all.
+"""ZeRO: data parallelism that keeps each shard of the model state on one rank instead of all.
 
 Equals: one process training on the whole batch with the same torch optimizer (SGD, Adam,
 AdamW; any elementwise one), the loss a mean over the batch and each rank's loss the mean over

@@ -362,11 +362,11 @@ def _request(comm, kind: int, clock: int, ranges, w, g, log: WorkerLog) -> None:
     """Send (kind, clock, numel, dtype) [+ g's shard] to every server, then take each reply
     into w."""
     for s, (lo, hi) in enumerate(ranges):
-        piece = None if g is None else g[lo:hi].contiguous()
-        numel, code = (0, -1) if piece is None else (piece.numel(), dtype_code(piece.dtype))
+        g_shard = None if g is None else g[lo:hi].contiguous()
+        numel, code = (0, -1) if g_shard is None else (g_shard.numel(), dtype_code(g_shard.dtype))
         comm.send(torch.tensor([kind, clock, numel, code]), s, HEADER)
-        if piece is not None:
-            comm.send(piece, s, DATA)
+        if g_shard is not None:
+            comm.send(g_shard, s, DATA)
     if kind == LEAVE:
         return
     head = torch.zeros(2, dtype=torch.int64)  # (version, staleness of my gradient)

@@ -300,7 +300,7 @@ def step(
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
     hop = net.link(0, (x.pp - 1) * x.tp)  # the slowest: the network if the stages span nodes
     message = hop.latency + act / (x.tp if x.scatter else 1) / hop.bandwidth
-    if x.scatter:  # the receiving stage all-gathers the tp pieces (half an all-reduce)
+    if x.scatter:  # the receiving stage all-gathers the tp ranks' slices (half an all-reduce)
         message += tp_ar / 2
     t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
     psi_g = psi or shape.params() / (x.pp * x.tp)

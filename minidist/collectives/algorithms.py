@@ -8,11 +8,11 @@ Communication per step, per rank (p ranks, N elements of b bytes, only point-to-
     recursive doubling  log2(p) exchanges of N b (+1 each way on the extra ranks if p is not
                         a power of two): latency-optimal, bandwidth-poor
     ring                2 (p-1) steps of N/p elements: sends 2 (p-1)/p N b, all to rank+1
-                        (a reduce-scatter step's chunk goes in pieces of PIECE_BYTES)
+                        (a reduce-scatter step's chunk goes in fragments of FRAGMENT_BYTES)
     all-to-all          p-1 pairwise steps: sends 8 (p-1) (counts) + (N - n_rr) b; N rows of b
                         bytes, n_rr of them for this rank itself
-Memory per rank: naive and recursive doubling N b extra, the ring 2 pieces (at most
-2 PIECE_BYTES) extra; N b more when the tensor is not contiguous (a contiguous copy).
+Memory per rank: naive and recursive doubling N b extra, the ring 2 fragments (at most
+2 FRAGMENT_BYTES) extra; N b more when the tensor is not contiguous (a contiguous copy).
 Tags: each collective's messages carry its own (comm/tagged.py): never taken by another one.
 Ladder: naive (root folds in rank order) -> recursive_doubling (log2 p rounds, for small
 messages) -> ring_reduce_scatter + ring_all_gather = ring_all_reduce (bandwidth-optimal) ->
@@ -37,10 +37,11 @@ ALGORITHMS = ("naive", "recursive_doubling", "ring")
 # up to 64 KiB, 1.00 at 256 KiB, 1.38-1.74 from 1 MiB. With more ranks the ring wins earlier
 # (log2(p) N bytes per rank against 2 (p-1)/p N); NCCL picks its own (lesson 02)
 RING_FROM_BYTES = 256 << 10
-# the ring moves a chunk in pieces of at most this many bytes, received into two reused slots:
-# a scratch buffer as large as a chunk would be allocated, and page-faulted, on every call
-# (about 15 ms for 32 MiB here, more than sending it), and pieces let receiving overlap reducing
-PIECE_BYTES = 1 << 20
+# the ring moves a chunk in fragments of at most this many bytes, received into two reused
+# slots: a scratch buffer as large as a chunk would be allocated, and page-faulted, on every
+# call (about 15 ms for 32 MiB here, more than sending it), and fragments let receiving overlap
+# reducing
+FRAGMENT_BYTES = 1 << 20
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -146,20 +147,21 @@ def recursive_doubling_all_reduce(t: torch.Tensor, comm: Comm, op: str = "sum") 
 def ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
     """Reduce-scatter buf (N,) in place around the ring: afterwards buf[lo_r:hi_r] (chunk_bounds)
     holds the reduction over all ranks (undivided for "avg"), the others partial sums. p-1
-    steps: one chunk to rank+1 and one from rank-1 each, in pieces of at most PIECE_BYTES."""
+    steps: one chunk to rank+1 and one from rank-1 each, in fragments of at most
+    FRAGMENT_BYTES."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     bounds = chunk_bounds(buf.numel(), p)
-    piece = max(1, PIECE_BYTES // buf.element_size())
-    # two slots: one piece arrives while the other is reduced (the last chunk is the largest)
-    scratch = buf.new_empty((2, min(piece, bounds[-1][1] - bounds[-1][0])))
+    fragment = max(1, FRAGMENT_BYTES // buf.element_size())
+    # two slots: one fragment arrives while the other is reduced (the last chunk is the largest)
+    scratch = buf.new_empty((2, min(fragment, bounds[-1][1] - bounds[-1][0])))
     # lab 02.1 begin: p-1 steps: send right what you last reduced; reduce in what the left sends
     for s in range(p - 1):
         lo, hi = bounds[(r - s - 1) % p]  # reduced in the previous step (s=0: this rank's own)
         rlo, rhi = bounds[(r - s - 2) % p]  # it arrives holding the reduction over s+1 ranks
         # send first, without waiting: the left neighbour is sending to us at the same time
-        sends = _isend_pieces(buf[lo:hi], comm, right, piece)
-        _recv_reduce_pieces(buf[rlo:rhi], comm, left, op, piece, scratch)
+        sends = _isend_fragments(buf[lo:hi], comm, right, fragment)
+        _recv_reduce_fragments(buf[rlo:rhi], comm, left, op, fragment, scratch)
         # the next step reduces into buf[rlo:rhi] and sends it, never buf[lo:hi]; wait anyway so
         # that sends in flight stay bounded by one chunk
         for send in sends:
@@ -168,28 +170,29 @@ def ring_reduce_scatter_flat(buf: torch.Tensor, comm: Comm, op: str) -> torch.Te
     return buf
 
 
-def _isend_pieces(x: torch.Tensor, comm: Comm, dst: int, piece: int) -> list[Work]:
-    """Start sending x (n,) to dst as ceil(n/piece) messages (none if n = 0)."""
-    return [comm.isend(x[i : i + piece], dst) for i in range(0, x.numel(), piece)]
+def _isend_fragments(x: torch.Tensor, comm: Comm, dst: int, fragment: int) -> list[Work]:
+    """Start sending x (n,) to dst as ceil(n/fragment) messages (none if n = 0)."""
+    return [comm.isend(x[i : i + fragment], dst) for i in range(0, x.numel(), fragment)]
 
 
-def _recv_reduce_pieces(
-    acc: torch.Tensor, comm: Comm, src: int, op: str, piece: int, scratch: torch.Tensor
+def _recv_reduce_fragments(
+    acc: torch.Tensor, comm: Comm, src: int, op: str, fragment: int, scratch: torch.Tensor
 ) -> torch.Tensor:
-    """acc (n,) <- acc (op) what src sends with _isend_pieces(.., piece), through scratch
-    (2, >= min(piece, n)).
+    """acc (n,) <- acc (op) what src sends with _isend_fragments(.., fragment), through scratch
+    (2, >= min(fragment, n)).
 
-    Piece j+1 is already being received into one slot while piece j, in the other, is reduced:
-    the network and the adder work at the same time, and a piece is reduced while it is still
-    in cache. Only 2 pieces of extra memory, however large acc: no allocation per chunk.
+    Fragment j+1 is already being received into one slot while fragment j, in the other, is
+    reduced: the network and the adder work at the same time, and a fragment is reduced while
+    it is still in cache. Only 2 fragments of extra memory, however large acc: no allocation
+    per chunk.
     """
     n = acc.numel()
-    starts = range(0, n, piece)
-    pending = {0: comm.irecv(scratch[0, : min(piece, n)], src)} if n else {}
+    starts = range(0, n, fragment)
+    pending = {0: comm.irecv(scratch[0, : min(fragment, n)], src)} if n else {}
     for j, i in enumerate(starts):
-        m = min(piece, n - i)
-        if j + 1 < len(starts):  # slot (j+1)%2 held piece j-1, already reduced
-            m_next = min(piece, n - starts[j + 1])
+        m = min(fragment, n - i)
+        if j + 1 < len(starts):  # slot (j+1)%2 held fragment j-1, already reduced
+            m_next = min(fragment, n - starts[j + 1])
             pending[j + 1] = comm.irecv(scratch[(j + 1) % 2, :m_next], src)
         pending.pop(j).wait()
         reduce_(acc[i : i + m], scratch[j % 2, :m], op)

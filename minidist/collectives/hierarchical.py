@@ -10,8 +10,8 @@ point-to-point):
                       all-gather)
     across nodes      2 (n-1)/n N b / g, to the same local rank on the next node
     (the flat ring sends 2 (p-1)/p N b, most of it across nodes when the ring spans them)
-Memory per rank: the ring's two pieces (at most 2 PIECE_BYTES) extra; N b more when the tensor
-is not contiguous.
+Memory per rank: the ring's two fragments (at most 2 FRAGMENT_BYTES) extra; N b more when the
+tensor is not contiguous.
 Ladder: node_comms (the two groups a rank belongs to) -> hierarchical_all_reduce (three rings
 from lesson 02, composed); cluster/hardware.py prices it (hierarchical_all_reduce_seconds).
 Paper: Jia et al., "Highly Scalable Deep Learning Training System with Mixed-Precision: Training

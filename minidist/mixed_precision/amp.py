@@ -38,10 +38,10 @@ Usage (no DataParallel wrapper: give dp_comm here and the gradients are reduced 
     mp.backward(loss)                        # (scale * loss).backward(); grads -> fp32 buffer
     stepped = mp.step()                      # reduce, unscale, agree on inf/nan, maybe step
 
-ZeRO composes the pieces itself instead of MixedPrecisionOptimizer (a sharded optimizer must:
-each rank holds other gradients): Precision (the dtypes), LossScaler (scale_loss before
-backward, update), skip_step(grad_shards, scaler, overflow_comm) (each rank checks its own
-shards, all agree). Pass the same precision and scaler to zero.wrap:
+ZeRO composes these building blocks itself instead of MixedPrecisionOptimizer (a sharded
+optimizer must: each rank holds other gradients): Precision (the dtypes), LossScaler
+(scale_loss before backward, update), skip_step(grad_shards, scaler, overflow_comm) (each rank
+checks its own shards, all agree). Pass the same precision and scaler to zero.wrap:
 
     z = zero.wrap(model, dp_comm, torch.optim.AdamW, 2, {"lr": 1e-3}, precision=FP16,
                   scaler=LossScaler(2.0**16), overflow_comm=world)   # masters: fp32 shards

@@ -46,6 +46,12 @@ from minidist.comm.wrappers import Tracer
 from minidist.memory import SavedTensorMeter
 from minidist.pipeline import schedules as sch
 from minidist.pipeline.schedules import COMPUTE, LETTER, Op, Program, Rows, peer
+from minidist.pipeline.zero_bubble import (
+    LayerGraph,
+    input_gradient,
+    run_layer_by_layer,
+    weight_gradients,
+)
 
 WEIGHT_GRADS = (sch.BACKWARD, sch.BACKWARD_WEIGHT)  # the ops after which on_backward runs
 
@@ -90,51 +96,6 @@ def read_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(dims[:ndim]), DTYPES[dtype]
 
 
-# ---- the zero-bubble split: a chunk run layer by layer, so B and W can run apart -------------
-
-
-@dataclass
-class LayerPiece:
-    """One layer of a chunk run for ZB: its (detached) input, output, weights, output gradient."""
-
-    inp: torch.Tensor
-    out: torch.Tensor
-    params: list[nn.Parameter]
-    grad_out: torch.Tensor | None = None
-
-
-def run_in_pieces(chunk: nn.Module, x: torch.Tensor) -> list[LayerPiece]:
-    """Run chunk layer by layer, each layer on a detached copy of its input: then B and W
-    can run per layer, W long after B. A chunk that is not an nn.Sequential is one piece:
-    its W then redoes the input gradients inside it (correct, but as slow as a backward)."""
-    pieces, h = [], x
-    for layer in chunk if isinstance(chunk, nn.Sequential) else [chunk]:
-        inp = h.detach().requires_grad_(h.requires_grad)
-        h = layer(inp)
-        pieces.append(LayerPiece(inp, h, [q for q in layer.parameters() if q.requires_grad]))
-    return pieces
-
-
-def input_gradient(pieces: list[LayerPiece], g: torch.Tensor | None) -> torch.Tensor | None:
-    """ZB's B: the gradient of the first piece's input from g, the last piece's output
-    gradient, layer by layer from the last; each piece keeps its output gradient for W, and
-    the graph stays (retain_graph). None where nothing flows back."""
-    for piece in reversed(pieces):
-        piece.grad_out = g
-        if g is None or not (piece.inp.requires_grad and piece.out.requires_grad):
-            g = None  # nothing flows further back
-            continue
-        (g,) = torch.autograd.grad(piece.out, piece.inp, g, retain_graph=True, allow_unused=True)
-    return g
-
-
-def weight_gradients(pieces: list[LayerPiece]) -> None:
-    """ZB's W: each layer's weight gradients (into .grad) from the output gradient B kept."""
-    for piece in pieces:
-        if piece.params and piece.grad_out is not None and piece.out.requires_grad:
-            torch.autograd.backward(piece.out, piece.grad_out, inputs=piece.params)
-
-
 @dataclass
 class _Step:
     """What one run keeps between ops, keyed by (microbatch, chunk)."""
@@ -146,7 +107,7 @@ class _Step:
     outs: dict = field(default_factory=dict)  # outputs waiting for their send
     grads: dict = field(default_factory=dict)  # output gradients received, before backward
     back: dict = field(default_factory=dict)  # input gradients waiting for their send
-    stash: dict = field(default_factory=dict)  # (input, output, pieces) from forward to backward
+    stash: dict = field(default_factory=dict)  # (input, output, graphs) from forward to backward
     shapes_in: dict = field(default_factory=dict)  # chunk -> (shape, dtype) it receives
     shapes_out: dict = field(default_factory=dict)  # chunk -> (shape, dtype) it sends
     losses: dict = field(default_factory=dict)  # microbatch -> its loss (unscaled, detached)
@@ -250,15 +211,15 @@ class PipelineStage:
         i, c, step = op.microbatch, op.chunk, self.step
         x = step.inputs[i] if self._virtual(c) == 0 else step.acts.pop((i, c))
         with self.memory.counting((i, c)):
-            pieces = run_in_pieces(self.chunks[c], x) if self.split else None
-            out = pieces[-1].out if pieces else self.chunks[c](x)
-            if self._last(c):  # ZB: the loss is a piece of its own, after a cut
+            graphs = run_layer_by_layer(self.chunks[c], x) if self.split else None
+            out = graphs[-1].out if graphs else self.chunks[c](x)
+            if self._last(c):  # ZB: the loss is a graph of its own, after a cut
                 y = out.detach().requires_grad_(out.requires_grad) if self.split else out
                 loss = self.loss_fn(y, step.targets[i])
                 step.losses[i] = loss.detach()
                 out = loss / step.m  # the convention: the step's loss is the batch mean
-                pieces = pieces + [LayerPiece(y, out, [])] if self.split else None
-        step.stash[i, c] = (x, out, pieces)
+                graphs = graphs + [LayerGraph(y, out, [])] if self.split else None
+        step.stash[i, c] = (x, out, graphs)
         if self._last(c):
             return
         if self.p == 1:  # the next chunk is on this rank: no message
@@ -276,17 +237,17 @@ class PipelineStage:
         self._pass_back(i, c, x, x.grad)
 
     def backward_input(self, op: Op) -> None:
-        """ZB's B: the chunk's input gradient (input_gradient); the pieces stay for W."""
+        """ZB's B: the chunk's input gradient (input_gradient); the layers' graphs stay for W."""
         i, c = op.microbatch, op.chunk
-        x, out, pieces = self.step.stash[i, c]
+        x, out, graphs = self.step.stash[i, c]
         g = torch.ones_like(out) if self._last(c) else self.step.grads.pop((i, c))
-        self._pass_back(i, c, x, input_gradient(pieces, g))
+        self._pass_back(i, c, x, input_gradient(graphs, g))
 
     def backward_weight(self, op: Op) -> None:
         """ZB's W: the chunk's weight gradients (weight_gradients), from what B kept."""
         i, c = op.microbatch, op.chunk
-        _, _, pieces = self.step.stash.pop((i, c))
-        weight_gradients(pieces)
+        _, _, graphs = self.step.stash.pop((i, c))
+        weight_gradients(graphs)
 
     def _pass_back(self, i: int, c: int, x: torch.Tensor, g: torch.Tensor | None) -> None:
         """Hand the input gradient g to the previous virtual stage (none before the first)."""

@@ -81,12 +81,12 @@ MUTANTS: list[Mutant] = [
         "02",
         "02.1",
         "send before receive: each rank waits for its send first (deadlocks under rendezvous)",
-        "        sends = _isend_pieces(buf[lo:hi], comm, right, piece)\n"
-        "        _recv_reduce_pieces(buf[rlo:rhi], comm, left, op, piece, scratch)",
-        "        for send in _isend_pieces(buf[lo:hi], comm, right, piece):\n"
+        "        sends = _isend_fragments(buf[lo:hi], comm, right, fragment)\n"
+        "        _recv_reduce_fragments(buf[rlo:rhi], comm, left, op, fragment, scratch)",
+        "        for send in _isend_fragments(buf[lo:hi], comm, right, fragment):\n"
         "            send.wait()\n"
         "        sends = []\n"
-        "        _recv_reduce_pieces(buf[rlo:rhi], comm, left, op, piece, scratch)",
+        "        _recv_reduce_fragments(buf[rlo:rhi], comm, left, op, fragment, scratch)",
     ),
     Mutant(
         "02",
@@ -114,8 +114,8 @@ MUTANTS: list[Mutant] = [
         "02",
         "02.1",
         "always adds: max and min come out as sums",
-        "_recv_reduce_pieces(buf[rlo:rhi], comm, left, op, piece, scratch)",
-        '_recv_reduce_pieces(buf[rlo:rhi], comm, left, "sum", piece, scratch)',
+        "_recv_reduce_fragments(buf[rlo:rhi], comm, left, op, fragment, scratch)",
+        '_recv_reduce_fragments(buf[rlo:rhi], comm, left, "sum", fragment, scratch)',
     ),
     Mutant(
         "02",

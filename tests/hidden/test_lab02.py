@@ -61,7 +61,7 @@ def test_02_1_ring_reduce_scatter_of_sizes_p_does_not_divide(p):
 
 
 def uneven_all_gather(comm, n: int) -> None:
-    """ring_all_gather of chunk_bounds-sized pieces (some empty when n < p) into a strided
+    """ring_all_gather of chunk_bounds-sized chunks (some empty when n < p) into a strided
     out: every rank ends with the whole 0 .. n-1."""
     C = impl("collectives.algorithms")
     p, r = comm.world_size, comm.rank
