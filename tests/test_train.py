@@ -150,7 +150,7 @@ def test_weight_decay_falls_on_the_weight_matrices_only():
     """GPT practice: decay the linear layers' weight matrices; not biases, LayerNorms, or the
     token and position embeddings. The same rule splits the full model and its tp slices
     alike (else test_train_threads, weight_decay 0.1 by default, would fail)."""
-    from minidist.gpt.replicas import decay_groups
+    from minidist.gpt.optimizer import decay_groups
 
     model = torch.nn.Sequential(*gpt.layers_full(TINY, torch.float64))
     names = {id(q): n for n, q in model.named_parameters()}

@@ -7,9 +7,10 @@ minidist run -n 8 --backend mpi lessons/12_3d_parallel/demo.py         # or -n 4
 import torch
 
 from minidist.comm import Counter, ObservedComm
+from minidist.gpt.loop import run, train_step
 from minidist.gpt.model import GPTConfig, stage_layer_ids
 from minidist.gpt.reference import train_full
-from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes, train_step
+from minidist.gpt.train import TrainConfig, build_job, predicted_nbytes
 from minidist.launch.launcher import demo_init
 from minidist.mesh import Layout
 
@@ -55,7 +56,7 @@ def main(comm) -> None:
         say(f"stage {stage} holds layers {ids}, each weight cut in {layout.tp} along tp")
     for counter in counters.values():
         counter.reset()  # count the steps, not the set-up
-    losses = [train_step(job)[0] for _ in range(STEPS)]
+    losses = run(job, train_step, STEPS)["losses"]  # the main job's own loop
     if comm.rank == 0:
         reference = train_full(config)["losses"]
         say(f"loss, {STEPS} steps, float64   {layout.dp}x{layout.pp}x{layout.tp}       one process")

@@ -28,26 +28,25 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 import torch
 
-from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
-from minidist.gpt import resume
+from minidist.comm.wrappers import Counter, ObservedComm, Tracer
+from minidist.gpt import plots, report, resume
+from minidist.gpt.config import DTYPES, TrainConfig
 from minidist.gpt.gather import parameters_full
+from minidist.gpt.loop import run, train_step
 from minidist.gpt.model import GPTConfig
 from minidist.gpt.reference import differences, train_full
-from minidist.gpt.train import DTYPES, Job, TrainConfig, build_job, predicted_nbytes, train_step
+from minidist.gpt.report import AXES
+from minidist.gpt.train import Job, build_job
 from minidist.launch.launcher import BACKENDS, init, start_ranks
 from minidist.mixed_precision.amp import PRECISIONS
-from minidist.pipeline.draw import draw_timeline
-from minidist.pipeline.schedules import NAMES, bubble_formula, bubble_fraction
-from minidist.pipeline.stage import measured_timeline
+from minidist.pipeline.schedules import NAMES
 
-AXES = ("dp", "pp", "tp", "cp", "ep")
 SIZES = {
     "dp": "data parallel replicas",
     "pp": "pipeline stages",
@@ -162,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def rank_main(argv: list[str]) -> None:
-    """One rank: train, then (rank 0) report."""
+    """One rank: train (loop.run), then (rank 0) report."""
     parser = argparse.ArgumentParser(prog="python -m minidist.gpt.cli")
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -183,47 +182,48 @@ def rank_main(argv: list[str]) -> None:
     for counter in counters.values():
         counter.reset()  # count the steps, not the set-up
     bar = _progress(config, comm.rank == 0 and not args.json, job.step)
-    first, losses, skipped, seconds, times = job.step, [], [], 0.0, []
-    for step in range(first, config.steps):
-        start, cpu = _now(), time.process_time()
-        loss, stepped = train_step(job)
-        times.append((_now() - start, time.process_time() - cpu))
-        seconds += times[-1][0]
-        losses.append(loss)
-        skipped += [] if stepped else [step]
+    first, start = job.step, time.perf_counter()
+
+    def after_step(job: Job, loss: float, stepped: bool) -> None:
         if stepped and not math.isfinite(loss):  # the same loss on every rank: all stop here
             raise FloatingPointError(
-                f"step {step + 1}: the loss is {loss}: training diverged "
+                f"step {job.step}: the loss is {loss}: training diverged "
                 f"(lower --lr={config.lr:g}?)"
             )
         last = job.step in (config.steps, args.stop_at)
         if args.save and (last or (args.save_every and job.step % args.save_every == 0)):
             resume.save(job, resume.step_path(args.save, job.step))
         if bar is not None:
-            tokens = (step + 1 - first) * config.batch * config.model.seq_len / seconds
-            bar.set_postfix_str(f"loss {loss:.4f}  {tokens:,.0f} tokens/s")
+            tokens = (job.step - first) * config.batch * config.model.seq_len
+            bar.set_postfix_str(f"loss {loss:.4f}  {tokens / (time.perf_counter() - start):,.0f}"
+                                " tokens/s")  # fmt: skip
             bar.update()
-        if job.step == args.stop_at:
-            break
+
+    result = run(job, train_step, args.stop_at or config.steps, after_step)
     if bar is not None:
         bar.close()
     tracer.rank = comm.rank  # the sub-comms renamed it
-    result = {"losses": losses, "skipped": skipped, "seconds": seconds, "first_step": first}
-    result["step_seconds"] = [wall for wall, _ in times]
-    result["step_cpu_seconds"] = [cpu for _, cpu in times]
-    report = _gather_report(
-        job, counters, tracer, len(losses)
-    )  # first: what follows sends bytes too
+    gathered = report.gather(job, counters, tracer, len(result["losses"]))  # before what sends
     result["parameters"] = parameters_full(job)
     bad = [i for i, t in enumerate(result["parameters"] or []) if not torch.isfinite(t).all()]
     if bad:  # rank 0, after the last collective: a run ending with NaN or inf parameters failed
         raise FloatingPointError(f"after step {job.step}: non-finite parameters in layers {bad}")
     if comm.rank == 0:
-        _finish(args, config, result, report)
+        _finish(args, config, result, gathered)
 
 
-def _now() -> float:
-    return time.perf_counter()
+def _finish(args, config: TrainConfig, result: dict, gathered: dict) -> None:
+    """Rank 0: the check, the pictures and trace, the tables (or one JSON object)."""
+    os.makedirs(args.out, exist_ok=True)
+    summary = report.summary(config, result, gathered, args.out)
+    reference = train_full(config) if args.check else None
+    if reference is not None:
+        summary["check"] = differences(result, reference, config)
+        summary["check"]["seconds_one_process"] = reference["seconds"]
+    plots.draw(summary["files"], config, result, reference, gathered)
+    print(json.dumps(summary) if args.json else report.tables(summary))
+    if reference is not None and not summary["check"]["ok"]:
+        sys.exit(1)  # --check failed: the job fails
 
 
 def _progress(config: TrainConfig, show: bool, first: int):
@@ -232,177 +232,6 @@ def _progress(config: TrainConfig, show: bool, first: int):
     from tqdm import tqdm
 
     return tqdm(total=config.steps, initial=first, desc="train", unit="step", file=sys.stderr)
-
-
-# ---- the report: gathered from every rank, printed and drawn by rank 0 ------------------------
-
-COLUMNS = ("params", "optimizer", "activations", "rss", *AXES, *(f"{a}_f" for a in AXES))
-
-
-def _gather_report(job: Job, counters: dict, tracer: Tracer, steps: int) -> dict:
-    """Every rank's numbers on every rank (one all_gather over the world), the measured
-    timeline of replica 0's pipeline (collective over pp), the trace events (to rank 0)."""
-    world = job.mesh.world
-    sent = [sum(n for op, n in counters[a].nbytes.items() if op != "recv") / steps for a in AXES]
-    predicted = predicted_nbytes(job)
-    formula = [-1 if predicted.get(a) is None else predicted[a] for a in AXES]
-    held = job.replicas.held_nbytes()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
-    mine = [held["params"], held["optimizer"], job.stage.memory.peak, rss, *sent, *formula]
-    every = torch.empty(world.world_size, len(mine), dtype=torch.float64, device=job.device)
-    world.all_gather(every, torch.tensor(mine, dtype=torch.float64, device=job.device))
-    every = every.cpu()
-    rows = measured_timeline(job.stage)  # the last step's compute spans of this pipeline
-    per_rank = [dict(zip(COLUMNS, r, strict=True)) for r in every.tolist()]
-    events = _gather_events(world, tracer.events, job.device)
-    return {"per_rank": per_rank, "timeline": rows, "events": events}
-
-
-def _gather_events(world, events: list[dict], device) -> dict[int, list[dict]] | None:
-    """Every rank's trace events on rank 0 (None elsewhere): lengths, then JSON bytes."""
-    mine = torch.frombuffer(bytearray(json.dumps(events).encode()), dtype=torch.uint8)
-    mine = mine.to(device)  # NCCL moves device memory only
-    lengths = torch.empty(world.world_size, dtype=torch.int64, device=device)
-    world.all_gather(lengths, torch.tensor([len(mine)], device=device))
-    if world.rank != 0:
-        world.send(mine, 0)
-        return None
-    found = {0: events}
-    for r in range(1, world.world_size):
-        buf = world.recv(torch.empty(int(lengths[r]), dtype=torch.uint8, device=device), r)
-        found[r] = json.loads(bytes(buf.cpu().tolist()).decode())
-    return found
-
-
-def _finish(args, config: TrainConfig, result: dict, report: dict) -> None:
-    """Rank 0: the check, the pictures and trace, the tables (or one JSON object)."""
-    os.makedirs(args.out, exist_ok=True)
-    tokens = len(result["losses"]) * config.batch * config.model.seq_len
-    p, m, v = config.pp, config.microbatches, config.chunks
-    bubble = bubble_fraction(report["timeline"]) if p > 1 else 0.0
-    summary = {
-        "config": asdict(config),
-        "losses": result["losses"],
-        "first_step": result["first_step"],
-        "skipped": result["skipped"],
-        "seconds": result["seconds"],
-        "step_seconds": result["step_seconds"],  # rank 0's, each step: wall clock
-        "step_cpu_seconds": result["step_cpu_seconds"],  # and this process's CPU time
-        "tokens_per_second": tokens / result["seconds"],
-        "bubble": bubble,
-        "bubble_formula": bubble_formula(config.schedule, p, m, v),
-        "per_rank": report["per_rank"],
-        "files": {
-            k: os.path.join(args.out, f)
-            for k, f in (
-                ("loss", "loss.png"),
-                ("pipeline", "pipeline.png"),
-                ("trace", "trace.json"),
-            )
-        },
-    }
-    reference = train_full(config) if args.check else None
-    if reference is not None:
-        summary["check"] = differences(result, reference, config)
-        summary["check"]["seconds_one_process"] = reference["seconds"]
-    _draw_losses(summary["files"]["loss"], result, reference)
-    if p > 1:
-        draw_timeline(
-            report["timeline"],
-            summary["files"]["pipeline"],
-            f"{config.schedule}: measured, last step (pp={p}, m={m})",
-        )
-    write_chrome_trace(summary["files"]["trace"], report["events"])
-    print(json.dumps(summary) if args.json else _tables(summary))
-    if reference is not None and not summary["check"]["ok"]:
-        sys.exit(1)  # --check failed: the job fails
-
-
-def _draw_losses(path: str, result: dict, reference: dict | None) -> None:
-    from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend
-
-    fig = Figure(figsize=(6, 3.5))
-    ax = fig.add_subplot()
-    first = result["first_step"]
-    steps = range(first, first + len(result["losses"]))
-    ax.plot(steps, result["losses"], label="dp x pp x tp")
-    if reference is not None:
-        ax.plot(steps, reference["losses"][first : first + len(steps)], "--", label="one process")
-    ax.set(xlabel="step", ylabel="loss (whole batch)", title="training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def _tables(s: dict) -> str:
-    """The end-of-run report as text."""
-    c = s["config"]
-    first, n = s["first_step"], len(s["losses"])
-    lines = [
-        f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} in steps {first + 1}.."
-        f"{first + n} of {c['steps']}, "
-        f"{s['seconds']:.1f} s, {s['tokens_per_second']:,.0f} tokens/s"
-    ]
-    if s["skipped"]:
-        lines.append(f"skipped steps (inf/nan): {s['skipped']}")
-    axes = [a for a in AXES if a in ("dp", "pp", "tp") or c[a] > 1]  # cp, ep: when used
-    lines += [
-        "",
-        "per rank: MiB held; KiB handed to each comm per step (the collectives' inputs "
-        "and the sends), formula beside; '-': a dimension of size 1 sends nothing",
-        f"{'rank':>4} {'d,s,t' if c['cp'] == 1 else 'd,s,c,t':>6} {'params':>8} {'optim':>8}"
-        f" {'activ.':>8} {'rss':>8}" + "".join(f" {a:>10} {a + ' f.':>10}" for a in axes),
-    ]
-    layout = TrainConfig(**{a: c[a] for a in AXES}).layout
-    for rank, r in enumerate(s["per_rank"]):
-        d, st, t = layout.coords(rank)
-        where = f"{d},{st},{t}" if c["cp"] == 1 else f"{d},{st},{layout.cp_coord(rank)},{t}"
-        lines.append(
-            f"{rank:>4} {where:>6} {_mib(r['params'])} {_mib(r['optimizer'])} "
-            f"{_mib(r['activations'])} {_mib(r['rss'])}"
-            + "".join(
-                f" {_kib(r[a])} {_kib(r[a + '_f'])}" if c[a] > 1 else f" {'-':>10} {'-':>10}"
-                for a in axes
-            )
-        )
-    lines += [
-        "",
-        f"pipeline bubble (last step, replica 0): {s['bubble']:.3f} measured, "
-        f"{s['bubble_formula']:.3f} formula ({c['schedule']}, pp={c['pp']}, "
-        f"m={c['microbatches']})",
-    ]
-    if "check" in s:
-        k, tol = s["check"], s["check"]["tolerance"]
-        verdict = "passed" if k["ok"] else "FAILED"
-        limits = f"loss {tol['loss']:g}" + (
-            f", parameters {tol['parameters']:g}" if tol["parameters"] else ""
-        )
-        lines.append(
-            f"check against one process ({k['seconds_one_process']:.1f} s) {verdict}:"
-            f" largest relative difference: loss curve {k['loss']:.2e}, final "
-            f"parameters {k['parameters']:.2e} (accepted: {limits}); same skipped "
-            f"steps: {k['same_skipped_steps']}"
-        )
-        if tol.get("parameters_rms"):  # bf16, fp16: every layer's RMS difference is judged
-            rms, accepted = k["parameters_rms"], tol["parameters_rms"]
-            i = max(range(len(rms)), key=lambda j: rms[j] / accepted[j])
-            lines.append(
-                f"  {c['amp']}: the parameters are judged layer by layer by their relative RMS "
-                f"difference (a largest one is 2 lr a step wherever AdamW's step flips); the "
-                f"closest to its limit, layer {i}: {rms[i]:.2e}, accepted {accepted[i]:.2e} "
-                f"(u = 2^{-8 if c['amp'] == 'bf16' else -11}, {c['steps']} steps: lesson 09)"
-            )
-    lines.append("wrote " + ", ".join(s["files"].values()))
-    return "\n".join(lines)
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:8.2f}"
-
-
-def _kib(nbytes: float) -> str:
-    """KiB in 10 columns; '-' for a negative count (no formula)."""
-    return f"{nbytes / 1024:10.1f}" if nbytes >= 0 else f"{'-':>10}"
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ Communication per step, per rank: per block and microbatch, ring_attention's (fo
 n b bytes, backward 2 (2cp-1) n b, n = b H (T/cp) d / tp elements); the gradient average over
 dp x cp in place of dp (its bytes 2 (dp cp - 1) / (dp cp) of the gradients on a ring).
 Memory per rank: 1/cp of every activation (tokens) and of attention's saved tensors; the
-whole model (no weight is cut over cp).
+full model (no weight is cut over cp).
 Ladder: positions (which tokens a rank holds) -> RingSelfAttention (the block's attention over
-the ring) -> context_parallel (a stage's chunks made context parallel in place).
+the ring) -> apply_cp (the model made context parallel in place).
 Paper: Liu, Zaharia and Abbeel, Ring Attention (2023); Llama Team, The Llama 3 Herd of Models
 (2024), section 3.3.2 (the zigzag chunks; the gradients reduced over the cp x dp group).
 Lesson: lessons/15_context_parallel/.   Run: minidist train --dp 2 --cp 2 --tp 2 --check
@@ -32,9 +32,6 @@ from minidist.context_parallel.ring_attention import (
     ring_attention,
     shard_sequence,
 )
-from minidist.gpt.model import Embedding, unwrap
-from minidist.gpt.moe import MoEBlock
-from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 
 LAYOUT = "zigzag"  # every cp rank the same causal work (lesson 15)
 
@@ -79,17 +76,15 @@ class RingSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, n, self.n_heads * hd))  # (B, T/cp, D)
 
 
-def context_parallel(chunks: list[nn.Module], cp_comm, seq_len: int) -> None:
-    """Make a stage's chunks context parallel, in place: the embedding looks up this rank's
-    positions, every block (dense or MoE) attends over the ring. The parameters stay the same
-    tensors; an MoE block routes this rank's tokens as one group (moe.py)."""
-    cp, c = cp_comm.world_size, cp_comm.rank
-    for chunk in chunks:
-        for layer in map(unwrap, chunk):
-            if isinstance(layer, Embedding):
-                layer.where = positions(seq_len, cp, c).to(layer.positions.weight.device)
-            if isinstance(layer, (ParallelTransformerBlock, MoEBlock)):
-                layer.attn = RingSelfAttention(layer.attn, cp_comm)
+def apply_cp(model, cp_comm) -> None:
+    """Context parallelism on a model.GPT, in place: the embedding looks up this rank's
+    positions, every block (dense or MoE) attends over the ring of cp_comm. The parameters
+    stay the same tensors; an MoE block routes this rank's tokens as one group (moe.py)."""
+    for i in model.blocks:
+        model.layers[i].attn = RingSelfAttention(model.layers[i].attn, cp_comm)
+    embedding = model.layers[0]
+    mine = positions(model.config.seq_len, cp_comm.world_size, cp_comm.rank)
+    embedding.where = mine.to(embedding.positions.weight.device)
 
 
 def problems(config) -> list[str]:

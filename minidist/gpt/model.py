@@ -1,46 +1,38 @@
-"""A small GPT: the model of the main job, whole for one process and cut for dp x pp x tp.
+"""A small GPT: the model of the main job, the plain one every technique is applied to.
 
-Equals: `layers_full(config)` is the single-process model; `stage_chunks` gives this rank's
-pipeline chunks of the same model, every layer sliced for tensor parallelism with from_full, so
-the distributed model is the full model cut, not a look-alike (train.py proves the training
-equal: float64 1e-12 relative).
-Communication per step: that of its parts (tensor_parallel/blocks.py for tp; pipeline/stage.py for
-pp), none of its own.
-Memory per rank: the parameters of its stage's layers, 1/tp of each tensor-parallel weight.
-Ladder: layers_full (one process) -> parallel_layer (each layer cut over tp_comm) ->
-stage_chunks (the layers of this pipeline stage, balanced by parameter count).
+Equals: `GPT(config)` (its layers: `layers_full`) is the single-process model; the main job
+builds it once on every rank and applies the techniques to it in place (parallelize.py), each
+cut recorded by `GPT.cut`, so the distributed model is the full model cut, not a look-alike
+(train.py proves the training equal: float64 1e-12 relative).
+Communication per step: none of its own (its cut forms communicate: tensor_parallel/blocks.py,
+pipeline/stage.py, ...).
+Memory per rank: the full model while it is built; after the composition, the parameters of
+its stage's layers, 1/tp of each tensor-parallel weight.
+Ladder: layer_full (one layer from its seed) -> GPT (the L + 2 layers, full) -> GPT.cut (a
+layer replaced by this rank's part of it, and which full elements that part holds).
 Paper: Radford et al., Language Models are Unsupervised Multitask Learners (GPT-2, 2019), the
 architecture (pre-LayerNorm blocks, a final LayerNorm, learned positions); this one is small,
 byte-level (vocabulary 256), without dropout and with an untied output layer.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2
-With config.experts > 0 every block's MLP is a mixture of experts (moe.py: MoEBlock, its
-experts cut over ep by parallel_layer); context parallelism re-shapes the cut chunks in place
-(context.py).
+With config.experts > 0 every block's MLP is a mixture of experts (moe.py: MoEBlock).
 
 The model as a sequence of layers, which the pipeline cuts between any two:
 
     Embedding (tokens + positions) -> Block 0 -> ... -> Block L-1 -> Head (LayerNorm, Linear)
     ids (B, T)                        x (B, T, D) ...............   logits (B, T, V)
-
-Tensor parallel: the token table is split by vocabulary (VocabParallelEmbedding), each block by
-heads and by d_ff (Megatron), the output layer by vocabulary (ColumnParallelLinear), whose
-logits (B, T, V/tp) go straight into the vocabulary-parallel cross-entropy. The positions and
-the LayerNorms are replicated: every tp rank computes, and gets, the same gradients for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.checkpointing.recompute import checkpoint
 from minidist.gpt import moe
 from minidist.pipeline.partition import balance
-from minidist.tensor_parallel.blocks import ParallelTransformerBlock, VocabParallelEmbedding
-from minidist.tensor_parallel.layers import ColumnParallelLinear
 from minidist.transformer import TransformerBlock, master_linear
 
 
@@ -102,17 +94,6 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-class Recompute(nn.Module):
-    """A block whose activations are recomputed in backward (gradient checkpointing)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x)
-
-
 def _table(rows: int, cols: int, seed: int, dtype) -> nn.Embedding:
     """An nn.Embedding drawn N(0, 0.02^2) from torch.Generator(seed), as GPT-2 draws its own."""
     emb = nn.Embedding(rows, cols, dtype=dtype)
@@ -147,18 +128,49 @@ def layers_full(config: GPTConfig, dtype=torch.float32) -> list[nn.Module]:
     return [layer_full(config, i, dtype) for i in range(config.n_layers + 2)]
 
 
-def parallel_layer(layer: nn.Module, tp_comm, ep_comm=None) -> nn.Module:
-    """The same layer cut over tp_comm: this rank's slices of every split weight (from_full);
-    a mixture-of-experts block's experts cut over ep_comm (None: all of them here)."""
-    if isinstance(layer, moe.MoEBlock):
-        return moe.parallel_block(layer, tp_comm, ep_comm)
-    if isinstance(layer, Embedding):
-        return Embedding(VocabParallelEmbedding.from_full(layer.tokens, tp_comm), layer.positions)
-    if isinstance(layer, TransformerBlock):
-        return ParallelTransformerBlock.from_full(layer, tp_comm)
-    if isinstance(layer, Head):
-        return Head(layer.norm, ColumnParallelLinear.from_full(layer.out, tp_comm))
-    raise TypeError(f"no tensor-parallel form for {type(layer).__name__}")
+class GPT(nn.Module):
+    """The model as its L + 2 layers (layers_full), run one after the other: ids (B, T) ->
+    logits (B, T, V). Built full from the seeds; the composition then replaces layers by their
+    cut forms (cut), and `elements[i]` says which of layer i's full parameter elements (laid
+    end to end, layer_costs[i] of them) this rank's layer i holds, in the order of its own
+    parameters; `cut_over[i]` the comms it was cut over. Checkpoints and the check against one
+    process read them: no layer is ever built again to learn how it was cut."""
+
+    def __init__(self, config: GPTConfig, dtype=torch.float32):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(layers_full(config, dtype))
+        self.elements = [torch.arange(n) for n in layer_costs(config)]
+        self.cut_over: list[list] = [[] for _ in self.layers]
+
+    @property
+    def blocks(self) -> range:
+        """The numbers of the blocks among the layers (0: the embedding, L + 1: the head)."""
+        return range(1, self.config.n_layers + 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = ids
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def cut(self, i: int, cut: Callable[[nn.Module], nn.Module], comm) -> None:
+        """Layer i becomes cut(layer i), its part on this rank of comm. The same cut applied
+        while the layer's parameters hold their own element numbers (float64, for a moment)
+        says which elements that part holds (cutting is slicing: no communication)."""
+        layer = self.layers[i]
+        params = list(layer.parameters())
+        values = [q.data for q in params]
+        n = 0
+        for q in params:  # each element its number in the layer's parameters laid end to end
+            q.data = torch.arange(n, n + q.numel(), dtype=torch.float64).view(q.shape)
+            n += q.numel()
+        numbered = [q.detach().reshape(-1) for q in cut(layer).parameters()]
+        for q, value in zip(params, values, strict=True):
+            q.data = value
+        self.elements[i] = self.elements[i][torch.cat(numbered).long()]
+        self.layers[i] = cut(layer)
+        self.cut_over[i].append(comm)
 
 
 def layer_costs(config: GPTConfig) -> list[int]:
@@ -183,34 +195,6 @@ def stage_layer_ids(config: GPTConfig, pp: int, n_chunks: int, stage: int) -> li
         )
     bounds = balance(layer_costs(config), n_parts)
     return [list(range(*bounds[c * pp + stage])) for c in range(n_chunks)]
-
-
-def stage_chunks(
-    config: GPTConfig,
-    tp_comm,
-    layer_ids: list[list[int]],
-    dtype=torch.float32,
-    recompute: bool = False,
-    device=None,
-    ep_comm=None,
-) -> list[nn.Sequential]:
-    """This rank's chunks: each an nn.Sequential of its layers cut over tp_comm (and the
-    experts over ep_comm). Only these layers are ever built, full and then sliced (a larger
-    model would draw the slices alone). recompute: every block checkpointed (its activations
-    recomputed in backward). device: where the chunks go (built on the CPU, then moved)."""
-    chunks = []
-    for ids in layer_ids:
-        layers = [parallel_layer(layer_full(config, i, dtype), tp_comm, ep_comm) for i in ids]
-        if recompute:
-            blocks = (ParallelTransformerBlock, moe.MoEBlock)
-            layers = [Recompute(x) if isinstance(x, blocks) else x for x in layers]
-        chunks.append(nn.Sequential(*layers).to(device or "cpu"))
-    return chunks
-
-
-def unwrap(layer: nn.Module) -> nn.Module:
-    """The layer itself, without a Recompute around it."""
-    return layer.block if isinstance(layer, Recompute) else layer
 
 
 def loss_full(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

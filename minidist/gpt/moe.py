@@ -9,13 +9,13 @@ auxiliary loss weighted 1 / (dp m cp) per group (the mean over groups).
 float64: losses 1e-12 relative, parameters 1e-10 (tests/test_train.py).
 Communication per step, per rank (ep ranks on ep_comm): per block and microbatch, that of
 ExpertParallelMoE (three all-to-alls forward, two backward: expert_parallel/moe.py); at the step's
-end replicas.ExpertReplicas all-reduces every gradient once: the dense ones and the routers' over
+end replicas.experts all-reduces every gradient once: the dense ones and the routers' over
 dp x cp (the routers' as ep, edp, then cp), the experts' over edp then cp, their replicas. On
 the dp counter (dp x cp and edp count as dp): 8 + f Psi_r bytes, Psi_r the rank's parameters
 (dp_nbytes); on ep the routers' f E D per block and the all-to-alls (what the routers decide).
 Memory per rank: the blocks' dense weights, the routers (E D each), E/ep experts per block.
 Ladder: MoEBlock (attention, then MoE; the auxiliary loss attached to the output) ->
-parallel_block (the experts cut over ep_comm) -> replicas.ExpertReplicas (gradients averaged
+parallel_block (the experts cut over ep_comm) -> replicas.experts (gradients averaged
 over their own replicas).
 Paper: Fedus, Zoph, Shazeer, Switch Transformers (JMLR 2022), section 2.2; Lepikhin et al.,
 GShard (ICLR 2021), section 2.2; Megatron-LM's MoEAuxLossAutoScaler (megatron/core/
@@ -100,13 +100,9 @@ def block_full(config, seed: int, dtype) -> MoEBlock:
     return MoEBlock(dense.ln1, SelfAttention(dense.qkv, dense.proj, c.n_heads), dense.ln2, moe)
 
 
-def parallel_block(block: MoEBlock, tp_comm, ep_comm=None) -> MoEBlock:
-    """The block with its experts cut over ep_comm (ExpertParallelMoE holding the same router
-    and its E/ep experts, copied from block's); ep_comm None: block itself. Not cut over tp."""
-    if tp_comm.world_size > 1:
-        raise ValueError(f"an MoE block is not cut over tp={tp_comm.world_size}")
-    if ep_comm is None:
-        return block
+def parallel_block(block: MoEBlock, ep_comm) -> MoEBlock:
+    """The block with its experts cut over ep_comm: an ExpertParallelMoE holding the same
+    router and its E/ep experts, copied from block's (the rest shared)."""
     full, first = block.moe, block.moe.experts[0]
     d, d_ff, router = first.fc1.in_features, first.fc1.out_features, full.router
     moe = ExpertParallelMoE(
@@ -117,6 +113,13 @@ def parallel_block(block: MoEBlock, tp_comm, ep_comm=None) -> MoEBlock:
     for local, e in zip(moe.experts, range(moe.lo, moe.lo + moe.n_local), strict=True):
         local.load_state_dict(full.experts[e].state_dict())
     return MoEBlock(block.ln1, block.attn, block.ln2, moe)
+
+
+def apply_ep(model, ep_comm) -> None:
+    """Expert parallelism on a model.GPT with experts, in place: every block's experts cut over
+    ep_comm (parallel_block), the router on every rank."""
+    for i in model.blocks:
+        model.cut(i, lambda block: parallel_block(block, ep_comm), ep_comm)
 
 
 def group_blocks(
@@ -154,5 +157,5 @@ def problems(config) -> list[str]:
 def dp_nbytes(params: list, f: int) -> int:
     """Payload bytes a rank hands the dp counter per step with experts: the loss's 8 (float64),
     then every gradient it holds once, in f-byte elements (the dense ones over dp x cp, each
-    router's and this rank's experts' over their replicas: ExpertReplicas sends no flags)."""
+    router's and this rank's experts' over their replicas: replicas.experts sends no flags)."""
     return 8 + f * sum(q.numel() for q in params)

@@ -2,11 +2,12 @@
 (train_full), and how far a run is from it (differences, within TOLERANCES). The distributed
 model is put back together to compare by gather.py.
 
-Equals: train_full is the reference itself: nn.Sequential(layers_full) on the whole batch,
-the same batches, AdamW (with the same weight-decay groups: replicas.decay_groups),
-learning-rate schedule and precision as train.py's ranks; any cp and tp alike (the same
-model cut otherwise); with experts, each block routes the batch in the groups the ranks'
-microbatches make (moe.group_blocks): one per dp rank, microbatch and cp rank, whatever ep.
+Equals: train_full is the reference itself: model.GPT, full, on the full batch, the same
+batches, AdamW (with the same weight-decay groups: optimizer.decay_groups),
+learning-rate schedule and precision as train.py's ranks, run by the same loop (loop.run);
+any cp and tp alike (the same model cut otherwise); with experts, each block routes the batch
+in the groups the ranks' microbatches make (moe.group_blocks): one per dp rank, microbatch and
+cp rank, whatever ep.
 Communication: none (one process).
 Memory: the full model and its optimizer state, in the run's dtype.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --check
@@ -15,27 +16,39 @@ Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --ch
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from minidist.gpt import context, moe
 from minidist.gpt import model as gpt
+from minidist.gpt.config import DTYPES, TrainConfig
 from minidist.gpt.data import batch_at, load_bytes
-from minidist.gpt.replicas import grouped_optimizer, make_scaler
-from minidist.gpt.train import DTYPES, TrainConfig
+from minidist.gpt.loop import run
+from minidist.gpt.optimizer import grouped_optimizer, make_scaler
 from minidist.large_batches.lr import WarmupDecay, lr_at
-from minidist.mixed_precision.amp import MixedPrecisionOptimizer
+from minidist.mixed_precision.amp import LossScaler, MixedPrecisionOptimizer
 
 
-def train_full(config: TrainConfig, data=None, on_step: Callable | None = None) -> dict:
-    """The single-process program every layout must equal: the full model on the whole
-    batch, same batches, same AdamW, same schedule, same precision."""
-    data = load_bytes() if data is None else data
-    layers = gpt.layers_full(config.model, DTYPES[config.dtype])
-    model = nn.Sequential(*layers)
+@dataclass
+class FullJob:
+    """The single-process run: the full model, its optimizer (AdamW over decay_groups, or amp's
+    masters), loss scaler and schedule, stepped by step_full."""
+
+    config: TrainConfig
+    model: gpt.GPT
+    optimizer: object
+    scaler: LossScaler
+    schedule: WarmupDecay
+    data: torch.Tensor
+    step: int = 0
+
+
+def full_job(config: TrainConfig, data=None) -> FullJob:
+    """The single-process program every layout must equal: the full model on the full batch,
+    same batches, same AdamW, same schedule, same precision."""
+    model = gpt.GPT(config.model, DTYPES[config.dtype])
     # MoE: the ranks' groups, each b T / cp tokens (b = B / (dp m)), the aux loss their mean
     m, cp, t = config.dp * config.microbatches, config.cp, config.model.seq_len
     order = context.token_order(config.batch, t, cp, config.batch // m) if cp > 1 else None
@@ -47,26 +60,30 @@ def train_full(config: TrainConfig, data=None, on_step: Callable | None = None) 
     else:
         optimizer = groups()
     schedule = WarmupDecay(optimizer, config.warmup, config.steps)
-    losses, skipped, start = [], [], time.perf_counter()
-    for step in range(config.steps):
-        ids, targets = batch_at(data, step, config.batch, config.model.seq_len, config.seed)
-        loss = gpt.loss_full(model(ids), targets)
-        (loss * scaler.scale).backward()
-        if isinstance(optimizer, MixedPrecisionOptimizer):
-            stepped = optimizer.step()
-        else:
-            optimizer.step()
-            stepped = True
-        optimizer.zero_grad()
-        schedule.step()
-        losses.append(loss.item())
-        if not stepped:
-            skipped.append(step)
-        if on_step is not None:
-            on_step(step, loss.item())
-    seconds = time.perf_counter() - start
-    params = [torch.cat([q.detach().double().reshape(-1) for q in x.parameters()]) for x in layers]
-    return {"losses": losses, "skipped": skipped, "seconds": seconds, "parameters": params}
+    data = load_bytes() if data is None else data
+    return FullJob(config, model, optimizer, scaler, schedule, data)
+
+
+def step_full(job: FullJob) -> tuple[float, bool]:
+    """One step of the single-process run: (the full batch's mean loss, stepped)."""
+    c = job.config
+    ids, targets = batch_at(job.data, job.step, c.batch, c.model.seq_len, c.seed)  # (B, T)
+    loss = gpt.loss_full(job.model(ids), targets)
+    (loss * job.scaler.scale).backward()
+    stepped = job.optimizer.step()  # amp: False where skipped (inf/nan); AdamW: None
+    job.optimizer.zero_grad()
+    job.schedule.step()
+    job.step += 1
+    return loss.item(), stepped is not False
+
+
+def train_full(config: TrainConfig, data=None, on_step: Callable | None = None) -> dict:
+    """full_job trained config.steps steps by the main job's loop (loop.run, on_step(job, loss,
+    stepped) after each): its result, with "parameters" each layer's, flat, in float64."""
+    job = full_job(config, data)
+    result = run(job, step_full, config.steps, on_step)
+    flat = lambda layer: torch.cat([q.detach().double().reshape(-1) for q in layer.parameters()])  # noqa: E731
+    return result | {"parameters": [flat(layer) for layer in job.model.layers]}
 
 
 # the largest relative differences --check accepts, and why:

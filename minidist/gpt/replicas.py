@@ -1,358 +1,206 @@
-"""Step 3 of the main job: the replicas of one (stage, tp rank) position, kept equal over dp.
+"""The last steps of the main job's composition: data parallelism or ZeRO over the replicas of
+one (stage, tp rank) position, in the run's precision; one interface, Replicas, whatever does it.
 
-One interface for the three ways of doing it, so that train.py and resume.py never ask which
-one a run uses. Each adapter wraps a technique's object and adds nothing to its numbers:
+Each way is a small function that wraps the stage's chunks in a technique and says, in a
+Replicas, what the training step and the checkpoints need of it; neither asks which it is:
 
-  DataParallelReplicas     data_parallel.DataParallelBucketed, then AdamW (fp32)
-  MixedPrecisionReplicas   amp.MixedPrecisionOptimizer: fp32 masters, a loss scale, dp all-reduce
-  ZeroReplicas             zero.wrap: ZeRO-1/2/3, with its own master shards and scaler
-  ExpertReplicas           with experts (moe.py): gradients averaged over their own replicas
-
-The interface (Replicas):
-  module          the stage's chunks, one ModuleList
-  optimizer       what the learning-rate schedule drives
-  scale           the loss scale this step's losses carry
-  accumulating()  the pipeline step runs inside it: data parallelism waits for every microbatch
-  on_backward(op) after every backward op of the pipeline (PipelineStage's hook)
-  step() -> bool  the optimizer step, then zero_grad(); False: skipped (inf/nan in the world)
-  gathered()      full parameters inside (ZeRO-3), to read them
-  state()         this rank's slices by parameter name, {name: {"value", "exp_avg",
-                  "exp_avg_sq"}}, AdamW's step and the scaler's state, on rank 0 of dp (None
-                  elsewhere; collective over dp for ZeRO, which consolidates its shards)
-  load(...)       the same put back, every rank its own slices (collective over dp for ZeRO)
-  held_nbytes()   bytes of parameters and of optimizer state (with masters) held now
+  data_parallel    data_parallel.DataParallelBucketed, then AdamW (fp32)
+  mixed_precision  amp.MixedPrecisionOptimizer: masters, a loss scale, the dp all-reduce in fp32
+  zero             zero.wrap: ZeRO-1/2/3, with its own master shards and scaler
+  experts          with experts (moe.py): every gradient summed over its own replicas by hand
+apply_replicas picks one: experts if the model has them, else ZeRO if config.zero, else mixed
+precision if amp is not fp32, else data parallelism; over dp x cp with cp > 1 (mesh.grad_comm:
+each cp rank saw other tokens of the sequences). The skip of an overflowed step (fp16) is
+agreed by the whole world: every stage and tp rank must skip the same steps.
 Equals: the technique each wraps, unchanged: the composed run equals train_full
 (tests/test_train.py), and state() then load() resumes it exactly (tests/test_resume.py).
-Lesson: lessons/12_3d_parallel/ (the composition, step 3).
+Lesson: lessons/12_3d_parallel/ (the composition, its last steps).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.expert_parallel.moe import ExpertParallelMoE, MoE, sync_grads
+from minidist.gpt.optimizer import decay_groups, grouped_optimizer, make_optimizer, make_scaler
 from minidist.memory import storage_nbytes
 from minidist.mixed_precision.amp import LossScaler, MixedPrecisionOptimizer
-from minidist.tensor_parallel.blocks import VocabParallelEmbedding
 from minidist.zero import stages as zero_
 from minidist.zero.cost import memory_nbytes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter element
-EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)  # lookup tables, whole or cut over tp
 
 
-def make_optimizer(config):
-    """AdamW on any tensors or groups: the optimizer of every variant (and of the reference);
-    weight_decay is the default, which decay_groups turns off where GPT practice does."""
-
-    def adamw(params, **kw) -> torch.optim.AdamW:
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **kw)
-
-    return adamw
+def _nothing(*_) -> None:
+    return None
 
 
-def decay_groups(module: nn.Module, tensors: list | None = None) -> list[dict]:
-    """AdamW's two groups over module's trainable parameters (or over tensors standing for
-    them, in the same order: amp's masters): the weight matrices of linear layers decay (the
-    optimizer's weight_decay); biases, LayerNorm weights and the token and position embeddings
-    do not (weight_decay 0), as GPT-2/3 and minGPT train (a table row is decayed every step
-    but gets a gradient only when its token appears). The rule reads each parameter's module
-    and dimensions, so the full model and its tp slices split alike."""
-    params = [q for q in module.parameters() if q.requires_grad]
-    no_decay = set()
-    for m in module.modules():
-        for q in m.parameters(recurse=False):
-            if q.dim() < 2 or isinstance(m, EMBEDDINGS):
-                no_decay.add(id(q))
-    tensors = params if tensors is None else list(tensors)
-    decay = [id(q) not in no_decay for q in params]
-    return [
-        {"params": [t for t, d in zip(tensors, decay, strict=True) if d]},
-        {"params": [t for t, d in zip(tensors, decay, strict=True) if not d], "weight_decay": 0.0},
-    ]
+@dataclass
+class Replicas:
+    """The stage's chunks kept equal over their replicas, as the step and checkpoints use them.
 
+    module          the stage's chunks, one ModuleList
+    optimizer       what the learning-rate schedule drives (its param_groups)
+    scaler          the loss scale this step's losses carry (scale)
+    update()        the gradients made equal over the replicas, then the optimizer step: True,
+                    or False where the world skipped it (inf/nan)
+    clear()         the technique's zero_grad
+    on_backward(op) after every backward op of the pipeline (PipelineStage's hook)
+    accumulating()  the pipeline step runs inside it: data parallelism waits for every microbatch
+    gathered()      full parameters inside (ZeRO-3), to read them
+    state()         this rank's slices by parameter name, {name: {"value", "exp_avg",
+                    "exp_avg_sq"}}, AdamW's step and the scaler's state (ZeRO: collective over
+                    dp, consolidated on its rank 0, None elsewhere)
+    load(...)       the same put back, every rank its own slices (collective over dp for ZeRO)
+    held_nbytes()   bytes of parameters and of optimizer state (with masters) held now
+    """
 
-def grouped_optimizer(config, module: nn.Module) -> Callable:
-    """tensors -> AdamW over decay_groups(module, tensors) (None: module's own parameters)."""
-    adamw = make_optimizer(config)
-
-    def build(tensors: list | None = None) -> torch.optim.AdamW:
-        return adamw(decay_groups(module, tensors))
-
-    return build
-
-
-def make_scaler(amp: str) -> LossScaler:
-    """fp16 needs a dynamic loss scale (its range is narrow); bf16 and fp32 none."""
-    if amp == "fp16":
-        return LossScaler(2.0**16)
-    return LossScaler(1.0, dynamic=False)
-
-
-class Replicas(Protocol):
     module: nn.ModuleList
     optimizer: object
     scaler: LossScaler
+    update: Callable[[], bool]
+    clear: Callable[[], None]
+    state: Callable[[], tuple | None]
+    load: Callable[[dict, float, dict | None], None]
+    held_nbytes: Callable[[], dict[str, int]]
+    on_backward: Callable[[object], None] = _nothing
+    accumulating: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    gathered: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @property
-    def scale(self) -> float: ...
-    def accumulating(self) -> contextlib.AbstractContextManager: ...
-    def on_backward(self, op) -> None: ...
-    def step(self) -> bool: ...
-    def zero_grad(self) -> None: ...
-    def gathered(self) -> contextlib.AbstractContextManager: ...
-    def state(self) -> tuple[dict, float, dict | None] | None: ...
-    def load(self, mine: dict, adam_step: float, scaler: dict | None) -> None: ...
-    def held_nbytes(self) -> dict[str, int]: ...
+    def scale(self) -> float:
+        return self.scaler.scale
+
+    def step(self) -> bool:
+        """update(), then every gradient dropped: True if the step was taken."""
+        stepped = self.update()
+        self.clear()
+        self.module.zero_grad(set_to_none=True)
+        return stepped
 
 
-def make_replicas(chunks: list[nn.Module], mesh, config) -> Replicas:
-    """The stage's chunks as one module, kept equal over dp: ExpertReplicas with experts, else
-    ZeRO if config.zero, else mixed precision if amp is not fp32, else data parallelism; over
-    dp x cp with cp > 1 (mesh.grad_comm: each cp rank saw other tokens of the sequences)."""
+def apply_replicas(chunks: list[nn.Module], mesh, config) -> Replicas:
+    """The stage's chunks as one module, kept equal over their replicas (see the module's
+    docstring for which way)."""
     module = nn.ModuleList(chunks)
     if config.model.experts:
-        return ExpertReplicas(module, mesh, config)
-    mesh = replace(mesh, dp_comm=mesh.grad_comm)
+        return experts(module, mesh, config)
     if config.zero:
-        return ZeroReplicas(module, mesh, config)
-    if config.amp != "fp32":
-        return MixedPrecisionReplicas(module, mesh, config)
-    return DataParallelReplicas(module, mesh, config)
+        return zero(module, mesh.grad_comm, mesh.world, config)
+    if config.amp == "fp32":
+        return data_parallel(module, mesh.grad_comm, config)
+    return mixed_precision(module, mesh.grad_comm, mesh.world, config)
 
 
-class DataParallelReplicas:
+def data_parallel(module: nn.ModuleList, dp_comm, config) -> Replicas:
     """fp32: the gradients all-reduced once, after the whole pipeline step; AdamW on each rank."""
+    adamw = grouped_optimizer(config, module)()
+    state, load = _adam_checkpoint(module, _trainable(module), adamw, None)
+    dp = DataParallelBucketed(module, dp_comm)
 
-    def __init__(self, module: nn.ModuleList, mesh, config):
-        self.module, self.dp_comm = module, mesh.dp_comm
-        self.scaler = make_scaler(config.amp)
-        self.dp = DataParallelBucketed(module, mesh.dp_comm)
-        self.optimizer = grouped_optimizer(config, module)()
-
-    @property
-    def scale(self) -> float:
-        return self.scaler.scale
-
-    def accumulating(self):
-        return self.dp.no_sync()  # the pipeline's microbatches accumulate; one all-reduce
-
-    def on_backward(self, op) -> None:
-        pass  # the gradients accumulate in .grad
-
-    def step(self) -> bool:
-        self.dp.finish_gradient_sync()
-        self.optimizer.step()
-        self.zero_grad()
+    def update() -> bool:
+        dp.finish_gradient_sync()
+        adamw.step()
         return True
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-        self.module.zero_grad(set_to_none=True)
-
-    def gathered(self):
-        return contextlib.nullcontext()
-
-    def state(self):
-        if self.dp_comm.rank != 0:
-            return None  # every replica holds the same
-        params = _trainable(self.module)
-        values, adam_step = _adam_state(params, [q for _, q in params], self.optimizer)
-        return values, adam_step, None
-
-    def load(self, mine: dict, adam_step: float, scaler: dict | None) -> None:
-        params = _trainable(self.module)
-        _load_adam(mine, adam_step, params, [q for _, q in params], self.optimizer)
-
-    def held_nbytes(self) -> dict[str, int]:
-        return _held(self.module, self.optimizer, [])
+    held = lambda: _held(module, adamw, [])  # noqa: E731
+    return Replicas(module, adamw, make_scaler(config.amp), update, adamw.zero_grad, state, load,
+                    held, accumulating=dp.no_sync)  # fmt: skip
 
 
-class MixedPrecisionReplicas:
+def mixed_precision(module: nn.ModuleList, dp_comm, world, config) -> Replicas:
     """bf16/fp16 compute: fp32 masters and a loss scale (MixedPrecisionOptimizer), the
-    gradients accumulated per microbatch in float32, all-reduced over dp in step()."""
+    gradients accumulated per microbatch in float32 (on_backward), all-reduced over dp in the
+    step."""
+    scaler = make_scaler(config.amp)
+    mp = MixedPrecisionOptimizer(module, grouped_optimizer(config, module), config.precision,
+                                 scaler, dp_comm=dp_comm, overflow_comm=world)  # fmt: skip
+    weights = list(zip(_names(module), mp.master, strict=True))
+    state, load = _adam_checkpoint(module, weights, mp.optimizer, scaler)
+    held = lambda: _held(module, mp.optimizer, list(mp.master))  # noqa: E731
+    return Replicas(module, mp, scaler, mp.step, mp.zero_grad, state, load, held,
+                    on_backward=lambda op: mp.collect())  # fmt: skip
 
-    def __init__(self, module: nn.ModuleList, mesh, config):
-        self.module, self.dp_comm = module, mesh.dp_comm
-        self.scaler = make_scaler(config.amp)
-        self.mp = MixedPrecisionOptimizer(
-            module,
-            grouped_optimizer(config, module),
-            config.precision,
-            self.scaler,
-            dp_comm=mesh.dp_comm,
-            overflow_comm=mesh.world,  # every stage and tp rank skips the same steps
-        )
-        self.optimizer = self.mp
 
-    @property
-    def scale(self) -> float:
-        return self.scaler.scale
+def zero(module: nn.ModuleList, dp_comm, world, config) -> Replicas:
+    """ZeRO-1/2/3 over dp (zero.wrap), with its own masters and scaler. ZeRO-2/3 free the
+    gradients as they go, so with a pipeline they are reduce-scattered after every backward op
+    (m times ZeRO-1's bytes)."""
+    z = zero_.wrap(module, dp_comm, make_optimizer(config), config.zero,
+                   param_groups=decay_groups(module), precision=config.precision,
+                   scaler=make_scaler(config.amp), overflow_comm=world)  # fmt: skip
 
-    def accumulating(self):
-        return contextlib.nullcontext()
+    def on_backward(op) -> None:
+        if config.zero >= 2:
+            z.finish_gradient_sync()  # this microbatch's gradients, reduce-scattered
 
-    def on_backward(self, op) -> None:
-        self.mp.collect()  # into the float32 buffer: accumulate in float32, not bf16
-
-    def step(self) -> bool:
-        stepped = self.mp.step()
-        self.zero_grad()
-        return stepped
-
-    def zero_grad(self) -> None:
-        self.mp.zero_grad()
-        self.module.zero_grad(set_to_none=True)
-
-    def gathered(self):
-        return contextlib.nullcontext()
-
-    def state(self):
-        if self.dp_comm.rank != 0:
+    def state():
+        full = z.state_dict(dst=0)  # collective over dp: consolidated on its rank 0
+        if full is None:
             return None
-        values, adam_step = _adam_state(_trainable(self.module), self.mp.master, self.mp.optimizer)
-        return values, adam_step, self.scaler.state_dict()
-
-    def load(self, mine: dict, adam_step: float, scaler: dict | None) -> None:
-        _load_adam(mine, adam_step, _trainable(self.module), self.mp.master, self.mp.optimizer)
-        if scaler is not None:
-            self.scaler.load_state_dict(scaler)
-
-    def held_nbytes(self) -> dict[str, int]:
-        return _held(self.module, self.mp.optimizer, list(self.mp.master))
-
-
-class ZeroReplicas:
-    """ZeRO-1/2/3 over dp (zero.wrap), with its own masters and scaler; the overflow skip
-    agreed by the whole world."""
-
-    def __init__(self, module: nn.ModuleList, mesh, config):
-        self.module, self.stage = module, config.zero
-        self.master_dtype = config.precision.master
-        self.zero = zero_.wrap(
-            module,
-            mesh.dp_comm,
-            make_optimizer(config),
-            config.zero,
-            param_groups=decay_groups(module),
-            precision=config.precision,
-            scaler=make_scaler(config.amp),
-            overflow_comm=mesh.world,  # every stage and tp rank skips the same steps
-        )
-        self.optimizer, self.scaler = self.zero.optimizer, self.zero.scaler
-
-    @property
-    def scale(self) -> float:
-        return self.scaler.scale
-
-    def accumulating(self):
-        return contextlib.nullcontext()
-
-    def on_backward(self, op) -> None:
-        if self.stage >= 2:
-            self.zero.finish_gradient_sync()  # this microbatch's gradients, reduce-scattered
-
-    def step(self) -> bool:
-        stepped = self.zero.step()
-        self.zero_grad()
-        return stepped
-
-    def zero_grad(self) -> None:
-        self.zero.zero_grad()
-        self.module.zero_grad(set_to_none=True)
-
-    def gathered(self):
-        return self.zero.gathered()
-
-    def state(self):
-        state = self.zero.state_dict(dst=0)  # collective over dp: consolidated on its rank 0
-        if state is None:
-            return None
-        optim = state["optimizer"]
+        optim = full["optimizer"]
         steps = [float(v["step"]) for v in optim.values() if "step" in v]
         values = {}
-        for name, _ in _trainable(self.module):
+        for name in _names(module):
             moments = optim.get(name, {})
-            values[name] = {"value": state["model"][name], **{k: moments.get(k) for k in MOMENTS}}
-        return values, max(steps, default=0.0), state.get("scaler")
+            values[name] = {"value": full["model"][name], **{k: moments.get(k) for k in MOMENTS}}
+        return values, max(steps, default=0.0), full.get("scaler")
 
-    def load(self, mine: dict, adam_step: float, scaler: dict | None) -> None:
+    def load(mine: dict, adam_step: float, scaler: dict | None) -> None:
         step = torch.tensor(adam_step, dtype=torch.float32)
-        names = [name for name, _ in _trainable(self.module)]
+        names = _names(module)
         optimizer = {}
         for n in names:  # the optimizer's state is in the masters' dtype
-            moments = {k: mine[n][k].to(self.master_dtype) for k in MOMENTS}
+            moments = {k: mine[n][k].to(config.precision.master) for k in MOMENTS}
             optimizer[n] = {"step": step.clone(), **moments}
-        state = {
+        full = {
             "model": {n: mine[n]["value"] for n in names},
             "elementwise": list(MOMENTS),
             "optimizer": optimizer,
         }
         if scaler is not None:
-            state["scaler"] = scaler
-        self.zero.load_state_dict(state, src=0)  # collective over dp
+            full["scaler"] = scaler
+        z.load_state_dict(full, src=0)  # collective over dp
 
-    def held_nbytes(self) -> dict[str, int]:
-        return memory_nbytes(self.zero)
+    held = lambda: memory_nbytes(z)  # noqa: E731
+    return Replicas(module, z.optimizer, z.scaler, z.step, z.zero_grad, state, load, held,
+                    on_backward=on_backward, gathered=z.gathered)  # fmt: skip
 
 
-class ExpertReplicas:
-    """Data parallel replicas of an MoE model (fp32, no ZeRO): AdamW on each rank; step() sums
-    each gradient over its replicas by hand (dense: grad_comm, dp x cp; each block's router: ep,
-    edp, cp, every rank; its experts: edp, cp), then divides all by dp cp: their mean."""
+def experts(module: nn.ModuleList, mesh, config) -> Replicas:
+    """Data parallel replicas of an MoE model (fp32, no ZeRO): AdamW on each rank; the step
+    sums each gradient over its replicas by hand (dense: grad_comm, dp x cp; each block's
+    router: ep, edp, cp, every rank; its experts: edp, cp), then divides all by dp cp: their
+    mean. Checkpoints of runs with experts are not supported (the CLI refuses them)."""
+    adamw = grouped_optimizer(config, module)()
+    moes = [m for m in module.modules() if isinstance(m, (MoE, ExpertParallelMoE))]
+    routed = {id(q) for moe in moes for q in moe.parameters()}
+    dense = [q for q in module.parameters() if id(q) not in routed]
+    replicas = mesh.dp_comm if mesh.edp_comm is None else mesh.edp_comm  # ep = 1: all of dp
 
-    def __init__(self, module: nn.ModuleList, mesh, config):
-        self.module, self.mesh, self.ranks = module, mesh, config.dp * config.cp
-        self.scaler = make_scaler(config.amp)
-        self.optimizer = grouped_optimizer(config, module)()
-        self.moes = [m for m in module.modules() if isinstance(m, (MoE, ExpertParallelMoE))]
-        routed = {id(q) for moe in self.moes for q in moe.parameters()}
-        self.dense = [q for q in module.parameters() if id(q) not in routed]
-
-    @property
-    def scale(self) -> float:
-        return self.scaler.scale
-
-    def accumulating(self):
-        return contextlib.nullcontext()  # the microbatches accumulate; one reduction a step
-
-    def on_backward(self, op) -> None:
-        pass
-
-    def step(self) -> bool:
-        mesh = self.mesh
-        for q in self.dense:
+    def update() -> bool:
+        for q in dense:
             mesh.grad_comm.all_reduce(_grad_or_zeros(q), "sum")
-        for moe in self.moes:  # ep = 1: no ep_comm, and the experts' replicas are all of dp
-            sync_grads(moe, mesh.ep_comm, mesh.dp_comm if mesh.edp_comm is None else mesh.edp_comm)
+        for moe in moes:
+            sync_grads(moe, mesh.ep_comm, replicas)
             sync_grads(moe, None, mesh.cp_comm)  # router and experts: cp saw other tokens
-        for q in self.module.parameters():
-            q.grad.div_(self.ranks)  # sums over every dp (x cp) rank's loss: their mean
-        self.optimizer.step()
-        self.zero_grad()
+        for q in module.parameters():
+            q.grad.div_(config.dp * config.cp)  # sums over every dp (x cp) rank's loss: the mean
+        adamw.step()
         return True
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-        self.module.zero_grad(set_to_none=True)
-
-    def gathered(self):
-        return contextlib.nullcontext()
-
-    def state(self, *_):  # never called: the CLI refuses checkpoints of runs with experts
+    def refused(*_):
         raise ValueError("checkpoints of a run with experts are not supported")
 
-    load = state
-
-    def held_nbytes(self) -> dict[str, int]:
-        return _held(self.module, self.optimizer, [])
+    held = lambda: _held(module, adamw, [])  # noqa: E731
+    return Replicas(module, adamw, make_scaler(config.amp), update, adamw.zero_grad, refused,
+                    refused, held)  # fmt: skip
 
 
 def _grad_or_zeros(q: nn.Parameter) -> torch.Tensor:
@@ -366,29 +214,38 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, q) for n, q in module.named_parameters() if q.requires_grad]
 
 
-def _adam_state(params: list, weights: list, optimizer) -> tuple[dict, float]:
-    """({name: {"value", "exp_avg", "exp_avg_sq"}}, AdamW's step) of the tensors the optimizer
-    steps (the parameters, or their masters), None where AdamW has not made its state yet."""
-    values, steps = {}, [0.0]
-    for (name, _), w in zip(params, weights, strict=True):
-        st = optimizer.state.get(w, {})
-        values[name] = {"value": w.detach(), **{k: st.get(k) for k in MOMENTS}}
-        if "step" in st:
-            steps.append(float(st["step"]))
-    return values, max(steps)
+def _names(module: nn.Module) -> list[str]:
+    return [n for n, _ in _trainable(module)]
 
 
-def _load_adam(mine: dict, adam_step: float, params: list, weights: list, optimizer) -> None:
-    """Copy mine's values into the stepped tensors (and the model: the master rounded), and
-    AdamW's moments into the optimizer (none before the first step, as AdamW starts)."""
-    step = torch.tensor(adam_step, dtype=torch.float32)
-    with torch.no_grad():
-        for (name, q), w in zip(params, weights, strict=True):
-            w.copy_(mine[name]["value"])
-            q.copy_(w)
-            if adam_step > 0:
-                moments = {k: mine[name][k].to(w.device, w.dtype) for k in MOMENTS}
-                optimizer.state[w] = {"step": step.clone(), **moments}
+def _adam_checkpoint(module: nn.Module, weights: list, optimizer, scaler) -> tuple:
+    """(state, load) of AdamW stepping weights, [(name, tensor)] (the parameters or their
+    masters, in the order of module's trainable parameters); every replica holds the same
+    (resume.save takes replica 0's). scaler: its state saved too (None: fixed)."""
+    params = [q for _, q in _trainable(module)]
+
+    def state():
+        values, steps = {}, [0.0]
+        for name, w in weights:
+            st = optimizer.state.get(w, {})  # nothing before the first step, as AdamW starts
+            values[name] = {"value": w.detach(), **{k: st.get(k) for k in MOMENTS}}
+            if "step" in st:
+                steps.append(float(st["step"]))
+        return values, max(steps), None if scaler is None else scaler.state_dict()
+
+    def load(mine: dict, adam_step: float, saved_scaler: dict | None) -> None:
+        step = torch.tensor(adam_step, dtype=torch.float32)
+        with torch.no_grad():
+            for q, (name, w) in zip(params, weights, strict=True):
+                w.copy_(mine[name]["value"])
+                q.copy_(w)  # the model: the master rounded
+                if adam_step > 0:
+                    moments = {k: mine[name][k].to(w.device, w.dtype) for k in MOMENTS}
+                    optimizer.state[w] = {"step": step.clone(), **moments}
+        if scaler is not None and saved_scaler is not None:
+            scaler.load_state_dict(saved_scaler)
+
+    return state, load
 
 
 def _held(module: nn.Module, optimizer, masters: list) -> dict[str, int]:

@@ -13,7 +13,8 @@ Lesson: lessons/12_3d_parallel/.   Run: minidist train ... --save DIR, then --re
 What a file holds: the layout-free state (each layer's full parameters, AdamW's exp_avg and
 exp_avg_sq, flat in float64, which holds float32 exactly; AdamW's step; the loss scaler's and
 the learning-rate schedule's state; the step; the config). Each rank takes its own slices when
-it loads (element_numbers), so any layout can load any checkpoint of the same model.
+it loads (Job.elements: which full elements it holds, recorded when the model was cut, so no
+layer is built again), so any layout can load any checkpoint of the same model.
 On disk: a header line with a SHA-256 of the rest, then torch.save's bytes. Written to a
 temporary file in the same folder, flushed to disk, then renamed over the final name: a crash
 mid-save leaves the previous checkpoint whole (its temporary file is swept at the next save),
@@ -31,7 +32,7 @@ from dataclasses import asdict
 import torch
 
 from minidist.gpt import model as gpt
-from minidist.gpt.gather import element_numbers, flat_full, to_stage_zero
+from minidist.gpt.gather import flat_full, to_stage_zero
 from minidist.gpt.replicas import MOMENTS
 from minidist.gpt.train import Job
 
@@ -60,13 +61,11 @@ def checkpoints(folder: str) -> list[str]:
 
 
 def _layers_with_names(job: Job):
-    """(layer number, the unwrapped layer, its parameters' names in the replicas' module)."""
+    """(layer number, the layer, its parameters' names in the replicas' module)."""
     ids = iter(sum(job.layer_ids, []))
     for c, chunk in enumerate(job.chunks):
         for j, layer in enumerate(chunk):
-            inner = gpt.unwrap(layer)
-            prefix = f"{c}.{j}." + ("block." if inner is not layer else "")
-            yield next(ids), inner, [prefix + n for n, _ in inner.named_parameters()]
+            yield next(ids), layer, [f"{c}.{j}.{n}" for n, _ in layer.named_parameters()]
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -74,19 +73,19 @@ def _layers_with_names(job: Job):
 
 def save(job: Job, path: str) -> None:
     """Write job's state to path (collective: every rank calls; world rank 0 writes)."""
-    mesh, config = job.mesh, job.config
+    config = job.config
     local = job.replicas.state()  # collective over dp for ZeRO
-    if local is None:
-        return  # not replica 0: nothing to contribute
+    if local is None or job.mesh.grad_comm.rank != 0:
+        return  # not replica 0: every replica holds the same
     state, adam_step, scaler = local
-    mine = {}
+    sizes, mine = gpt.layer_costs(config.model), {}
     for i, layer, names in _layers_with_names(job):
         rows = []
         for key in KEYS:
             tensors = [
                 _or_zeros(state[n][key], q) for n, q in zip(names, layer.parameters(), strict=True)
             ]
-            rows.append(flat_full(config.model, i, tensors, mesh.tp_comm))  # over tp
+            rows.append(flat_full(sizes[i], job.elements[i], tensors, job.cut_over[i]))
         mine[i] = torch.stack(rows)  # (3, n_i)
     mine = to_stage_zero(job, mine)  # over pp, to world rank 0
     if mine is None:
@@ -236,10 +235,9 @@ def restore(job: Job, payload: dict) -> None:
         raise CheckpointError("the checkpoint cannot continue this run: " + "; ".join(changed))
     mine: dict[str, dict[str, torch.Tensor]] = {}
     for i, layer, names in _layers_with_names(job):
-        where, _ = element_numbers(job.config.model, i, job.mesh.tp_comm)
         sizes = [q.numel() for q in layer.parameters()]
         for key in KEYS:
-            cut = payload["layers"][i][key][where].split(sizes)
+            cut = payload["layers"][i][key][job.elements[i]].split(sizes)
             for name, q, x in zip(names, layer.parameters(), cut, strict=True):
                 mine.setdefault(name, {})[key] = x.view(q.shape)
     job.replicas.load(mine, payload["adam_step"], payload["scaler"])

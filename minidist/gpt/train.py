@@ -1,11 +1,12 @@
 """3D parallelism: the small GPT of model.py trained with data, pipeline and tensor parallelism
-(plus ZeRO, mixed precision and checkpointing) composed in one place, in a fixed order.
+(plus context and expert parallelism, ZeRO, mixed precision and recomputation) composed in one
+place, in a fixed order.
 
 Equals: train_full, the same model, batches, AdamW (weight decay on the weight matrices only:
-replicas.decay_groups) and learning-rate schedule in one process, the loss the mean over the whole
-batch. float64: losses and final parameters to 1e-12 relative (tests/test_train.py); float32
-about 1e-5 (sums in another order); bf16/fp16 with the reference run in the same precision,
-within that format's rounding.
+optimizer.decay_groups) and learning-rate schedule in one process, the loss the mean over the
+full batch. float64: losses and final parameters to 1e-12 relative (tests/test_train.py);
+float32 about 1e-5 (sums in another order); bf16/fp16 with the reference run in the same
+precision, within that format's rounding.
 Communication per step, per rank (m microbatches of b = B/(dp m) sequences of T tokens, D the
 width, L_s blocks on this stage, e bytes an activation element, Psi_s this stage's parameters
 per tp rank, f bytes a gradient element):
@@ -13,195 +14,63 @@ per tp rank, f bytes a gradient element):
       embedding's and the cross-entropy's: ring bytes 2 (tp-1)/tp each.
   pp: one activation b T D e to the next stage and one gradient back, per microbatch and chunk.
   dp: the gradients once per step: 2 (dp-1)/dp Psi_s f (data parallel, ZeRO-1); ZeRO-2/3 with
-      pp > 1 reduce-scatter after every microbatch's backward (m times that; see below), and
-      ZeRO-3 gathers parameters per microbatch.
+      pp > 1 reduce-scatter after every microbatch's backward (m times that), and ZeRO-3
+      gathers parameters per microbatch.
 Memory per rank: Psi_s parameters with their gradients and optimizer state (ZeRO divides them
 by dp; see zero/stages.py), plus the activations the schedule keeps (pipeline/stage.py).
-Order of composition (each step wraps what the one before made):
-  1. mesh         the rank grid; dp_comm, pp_comm, tp_comm          mesh.py
-                  (cp > 1: cp_comm, dcp_comm; ep > 1: ep_comm, edp_comm)
-  2. model cut    this stage's layers, each sliced over tp_comm     model.py
-                  (the experts over ep_comm: moe.py; the attention
-                  over cp_comm, each rank its zigzag tokens: context.py)
-  3. replicas     precision, then data parallel or ZeRO over dp     replicas.py
-                  (over dp x cp with cp > 1; with experts, each
-                  gradient over its own replicas)
-  4. pipeline     the stage's chunks run by the schedule over pp    pipeline/stage.py,
-  pipeline/schedules.py
+The composition (build_job), as torchtitan's parallelize: the mesh, the plain model built
+once, full, then each technique applied to what the one before left:
+  mesh            the rank grid: dp_comm, pp_comm, tp_comm (cp, ep)  mesh.py
+  1. tensor       every layer sliced over tp_comm                   parallelize.apply_tp
+  2. context      every attention a ring over cp_comm               context.apply_cp
+  3. expert       every block's experts shared out over ep_comm     moe.apply_ep
+     (recompute   every block's activations recomputed in backward  parallelize.apply_recompute)
+  4. pipeline     this stage's layers, as chunks for the schedule    parallelize.apply_pp
+  5. data         data parallel or ZeRO over dp (dp x cp)            replicas.apply_replicas
+  6. precision    in the run's precision: amp's masters and scale    replicas.py
+The cuts come first: data parallelism and ZeRO must see the parameters each rank really holds.
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
-chunk's gradients over its microbatches first. ZeRO-2/3 free gradients as they go, so there
-they are reduce-scattered after every backward op (PipelineStage's on_backward), which sends
-m times ZeRO-1's bytes: why large jobs pair pipelines with ZeRO-1 only.
-The skip of a step whose gradients overflowed (fp16) is agreed by the whole world, not only
-dp: every stage and tp rank must skip the same steps.
+chunk's gradients over its microbatches first. The skip of a step whose gradients overflowed
+(fp16) is agreed by the whole world, not only dp: every stage and tp rank must skip the same.
 Paper: Narayanan et al., Megatron-LM on GPU clusters (SC 2021), sections 2-3.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2 --check
 """
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from minidist.gpt import context, moe
 from minidist.gpt import model as gpt
-from minidist.gpt.data import SONNETS, batch_at, dp_share, load_bytes
-from minidist.gpt.replicas import Replicas, make_replicas
+from minidist.gpt.config import DTYPES, TrainConfig
+from minidist.gpt.data import load_bytes
+from minidist.gpt.loop import run, train_step
+from minidist.gpt.parallelize import apply_pp, apply_recompute, apply_tp
+from minidist.gpt.replicas import Replicas, apply_replicas
 from minidist.large_batches.lr import WarmupDecay
-from minidist.mesh import Layout, Mesh, make_mesh
-from minidist.mixed_precision.amp import PRECISIONS, Precision
-from minidist.pipeline.schedules import NAMES, build_schedules
-from minidist.pipeline.stage import PipelineStage, split_microbatches
+from minidist.mesh import Mesh, make_mesh
+from minidist.pipeline.schedules import build_schedules
+from minidist.pipeline.stage import PipelineStage
 from minidist.tensor_parallel.layers import vocab_parallel_cross_entropy
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on; the same on every rank."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1  # expert parallel, carved out of dp (with model.experts: moe.py)
-    cp: int = 1  # context parallel: each rank T/cp tokens of every sequence (context.py)
-    zero: int = 0  # 0: data parallel; 1, 2, 3: ZeRO stage
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
-    amp: str = "fp32"  # fp32 | bf16 | fp16: the compute dtype; masters stay in dtype
-    checkpointing: bool = False  # recompute every block's activations in backward
-    steps: int = 50
-    batch: int = 16  # sequences per step, over all dp ranks
-    lr: float = 3e-3
-    weight_decay: float = 0.1  # AdamW's, on the weight matrices only (decay_groups)
-    warmup: int = 5
-    dtype: str = "float32"  # parameters and optimizer (float64: the tight check)
-    seed: int = 0  # the batches; the model's seed is model.seed
-    model: gpt.GPTConfig = field(default_factory=gpt.GPTConfig)
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(self.dp, self.pp, self.tp, self.ep, self.cp)
-
-    @property
-    def precision(self) -> Precision:
-        """The dtype of each role: compute from amp, masters and gradient sums in dtype."""
-        master = DTYPES[self.dtype]
-        compute = master if self.amp == "fp32" else PRECISIONS[self.amp].compute
-        return Precision(compute, master, master)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """The numbers that count something: each at least 1."""
-        m = self.model
-        return {
-            "dp": self.dp,
-            "pp": self.pp,
-            "tp": self.tp,
-            "ep": self.ep,
-            "cp": self.cp,
-            "microbatches": self.microbatches,
-            "chunks": self.chunks,
-            "steps": self.steps,
-            "batch": self.batch,
-            "seq_len": m.seq_len,
-            "d_model": m.d_model,
-            "n_heads": m.n_heads,
-            "d_ff": m.d_ff,
-            "n_layers": m.n_layers,
-        }
-
-    def problems(self, world_size: int | None = None) -> list[str]:
-        """Every reason this run cannot start, with the numbers; [] if it can."""
-        found = []
-        for name, value in self.counts.items():
-            _require(found, value >= 1, f"{name}={value} must be at least 1")
-        finite = math.isfinite(self.lr) and self.lr > 0
-        _require(found, finite, f"lr={self.lr} must be a finite number > 0")
-        _require(found, self.warmup >= 0, f"warmup={self.warmup} must be at least 0")
-        if found:
-            return found  # the checks below divide by these numbers
-        world = self.dp * self.pp * self.cp * self.tp
-        return self._layout_problems(world if world_size is None else world_size)
-
-    def _layout_problems(self, world_size: int) -> list[str]:
-        """problems() once every count is at least 1: how the numbers fit together."""
-        m, found, text = self.model, [], SONNETS.stat().st_size
-        why = f"seq_len={m.seq_len}: the text has {text} bytes, a sequence needs seq_len + 1"
-        _require(found, m.seq_len + 1 <= text, why + " of them")
-        why = f"steps={self.steps} is below the warm-up of {self.warmup} steps"
-        _require(found, self.steps >= self.warmup, why + ": raise --steps or lower --warmup")
-        found += _refused(lambda: self.layout.check(world_size))
-        found += m.problems(self.tp) + moe.problems(self) + context.problems(self)
-        for name, value, allowed in self.choices:
-            _require(found, value in allowed, f"{name}={value!r} is not one of {allowed}")
-        ok = self.batch % (self.dp * self.microbatches) == 0
-        why = f"batch={self.batch} is not divisible by dp={self.dp} x microbatches="
-        _require(found, ok, why + f"{self.microbatches}")
-        _require(found, self.weight_decay >= 0, f"weight_decay={self.weight_decay} is negative")
-        why = f"chunks={self.chunks} needs schedule='interleaved'"
-        _require(found, self.chunks == 1 or self.schedule == "interleaved", why)
-        why = f"pp={self.pp} x chunks={self.chunks} pipeline parts, but the model has only "
-        _require(
-            found,
-            self.pp * self.chunks <= m.n_layers + 2,
-            why + f"n_layers={m.n_layers} + 2 layers",
-        )
-        if self.schedule in NAMES:  # an unknown one is reported above
-            found += _refused(
-                build_schedules, self.schedule, self.pp, self.microbatches, self.chunks
-            )
-        return found
-
-    @property
-    def choices(self) -> list[tuple[str, object, tuple]]:
-        """(name, value, the values allowed) of each field that names a choice."""
-        return [
-            ("zero", self.zero, (0, 1, 2, 3)),
-            ("amp", self.amp, tuple(PRECISIONS)),
-            ("dtype", self.dtype, tuple(DTYPES)),
-            ("schedule", self.schedule, NAMES),
-        ]
-
-    def check(self, world_size: int | None = None) -> TrainConfig:
-        """self, or a ValueError listing every problem (before any process starts work)."""
-        found = self.problems(world_size)
-        if found:
-            raise ValueError("this run cannot start:\n  " + "\n  ".join(found))
-        return self
-
-
-def _require(found: list[str], ok: bool, why: str) -> None:
-    """found += [why] unless ok."""
-    if not ok:
-        found.append(why)
-
-
-def _refused(check: Callable, *args) -> list[str]:
-    """[] if check(*args) passes, else [the message of the ValueError it raises]."""
-    try:
-        check(*args)
-    except ValueError as e:
-        return [str(e)]
-    return []
 
 
 @dataclass
 class Job:
     """One rank's composed training: its mesh, chunks (and their layer numbers), replicas,
-    pipeline stage and program; built by build_job, stepped by train_step."""
+    pipeline stage and program; built by build_job, stepped by loop.train_step. elements[i]:
+    which of layer i's full parameter elements this rank holds (model.GPT.cut), cut_over[i]:
+    the comms it was cut over, for this stage's layers i."""
 
     config: TrainConfig
     mesh: Mesh
     layer_ids: list[list[int]]
     chunks: list[nn.Module]
+    elements: dict[int, torch.Tensor]
+    cut_over: dict[int, list]
     replicas: Replicas
     stage: PipelineStage
     program: list
@@ -212,30 +81,27 @@ class Job:
 
 
 def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, device=None) -> Job:
-    """Steps 1-4 on this rank (collective: every rank of comm calls it). observe(axis, comm),
-    when given, wraps each sub-comm (e.g. in an ObservedComm, to count its bytes). device:
-    where the model and its batches live; default the comm's (NCCL: this rank's GPU), else
-    the CPU."""
+    """This rank's composed job, in the order of the module's docstring (collective: every rank
+    of comm calls it). observe(axis, comm), when given, wraps each sub-comm (e.g. in an
+    ObservedComm, to count its bytes). device: where the model and its batches live; default
+    the comm's (NCCL: this rank's GPU), else the CPU."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
     config.check(comm.world_size)
-    mesh = make_mesh(comm, config.layout)  # 1
+    mesh = make_mesh(comm, config.layout)
     if observe is not None:
         mesh = _observed(mesh, observe)
-    # lab 12.4 begin: steps 2-3: this stage's layer ids and chunks (cut over tp), the replicas
     _, s, _ = mesh.coords
-    layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2
-    chunks = gpt.stage_chunks(
-        config.model,
-        mesh.tp_comm,
-        layer_ids,
-        DTYPES[config.dtype],
-        recompute=config.checkpointing,
-        device=device,
-        ep_comm=mesh.ep_comm,
-    )
-    if mesh.cp_comm is not None:  # before the replicas: ZeRO-3 hooks the modules it finds
-        context.context_parallel(chunks, mesh.cp_comm, config.model.seq_len)
-    replicas = make_replicas(chunks, mesh, config)  # 3
+    model = gpt.GPT(config.model, DTYPES[config.dtype])  # the plain model, full, built once
+    # lab 12.4 begin: the techniques in order, each applied to what the one before left
+    apply_tp(model, mesh.tp_comm)  # 1: first, so every later step sees the slices
+    if mesh.cp_comm is not None:
+        context.apply_cp(model, mesh.cp_comm)  # 2
+    if mesh.ep_comm is not None:
+        moe.apply_ep(model, mesh.ep_comm)  # 3
+    if config.checkpointing:
+        apply_recompute(model)  # before the replicas: ZeRO-3 hooks the modules it finds
+    layer_ids, chunks = apply_pp(model, config.pp, config.chunks, s, device)  # 4
+    replicas = apply_replicas(chunks, mesh, config)  # 5, 6
     # lab 12.4 end
     # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline/stage.py); the replicas
     moe.group_blocks(replicas.module, None, 1 / config.microbatches)  # divide by dp cp
@@ -247,33 +113,30 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
 
     stage = PipelineStage(
         chunks, mesh.pp_comm, loss_fn, tracer=tracer, on_backward=replicas.on_backward
-    )  # 4
-    program = build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s]
-    schedule = WarmupDecay(replicas.optimizer, config.warmup, config.steps)
-    data = load_bytes() if data is None else data
-    return Job(config, mesh, layer_ids, chunks, replicas, stage, program, schedule, data, device)
+    )
+    ids = sum(layer_ids, [])
+    return Job(
+        config,
+        mesh,
+        layer_ids,
+        chunks,
+        elements={i: model.elements[i] for i in ids},
+        cut_over={i: model.cut_over[i] for i in ids},
+        replicas=replicas,
+        stage=stage,
+        program=build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s],
+        schedule=WarmupDecay(replicas.optimizer, config.warmup, config.steps),
+        data=load_bytes() if data is None else data,
+        device=device,
+    )
 
 
-def train_step(job: Job) -> tuple[float, bool]:
-    """One step of every rank: (the whole batch's mean loss, on every rank; stepped)."""
-    c, (d, s, _) = job.config, job.mesh.coords
-    ids, targets = batch_at(job.data, job.step, c.batch, c.model.seq_len, c.seed)  # (B, T)
-    ids, targets = dp_share(ids, d, c.dp), dp_share(targets, d, c.dp)  # (B/dp, T)
-    if job.mesh.cp_comm is not None:  # this rank's zigzag chunks: (B/dp, T/cp)
-        ids, targets = (context.shard_tokens(t, job.mesh.cp_comm) for t in (ids, targets))
-    ids, targets = ids.to(job.device), targets.to(job.device)
-    first, last = s == 0, s == c.pp - 1
-    with job.replicas.accumulating():
-        losses = job.stage.run(
-            job.program,
-            split_microbatches(ids, c.microbatches) if first else None,
-            split_microbatches(targets, c.microbatches) if last else None,
-        )
-    scale = job.replicas.scale  # the scale this step's losses carry (step() may change it)
-    stepped = job.replicas.step()
-    job.schedule.step()
-    job.step += 1
-    return batch_loss_full(losses, job.mesh, scale, job.device), stepped
+def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):
+    """Build the job and train config.steps steps (loop.run, on_step(job, loss, stepped) after
+    each): (job, run's result), the same losses on every rank. gather.parameters_full(job)
+    puts the model together."""
+    job = build_job(comm, config, data, device=device)
+    return job, run(job, train_step, config.steps, on_step)
 
 
 def predicted_nbytes(job: Job) -> dict[str, int | None]:
@@ -364,18 +227,6 @@ def _dp_nbytes(c: TrainConfig, params: list, e: int, f: int) -> int | None:
     return None
 
 
-def batch_loss_full(losses: list, mesh: Mesh, scale: float, device=None) -> float:
-    """The mean over the whole batch, on every rank: the last stage's mean over microbatches,
-    averaged over dp (x cp: each cp rank's mean is over its T/cp tokens), then broadcast along
-    the pipeline. Collectives: dp (x cp) all_reduce, pp broadcast (one float64 each)."""
-    mean = torch.zeros(1, dtype=torch.float64, device=device)
-    if losses:  # the last stage
-        mean += torch.stack(losses).double().mean() / scale
-    mesh.grad_comm.all_reduce(mean, "sum")
-    mesh.pp_comm.broadcast(mean, mesh.layout.pp - 1)
-    return mean.item() / (mesh.layout.dp * mesh.layout.cp)
-
-
 def _observed(mesh: Mesh, observe: Callable) -> Mesh:
     """mesh with each sub-comm wrapped by observe(axis, comm); dp x cp and edp count as dp
     (the gradients' traffic), ep as ep, cp as cp."""
@@ -384,18 +235,3 @@ def _observed(mesh: Mesh, observe: Callable) -> Mesh:
     return replace(
         mesh, **{k: v if v is None else observe(axes[k[:-5]], v) for k, v in subs.items()}
     )
-
-
-def train(comm, config: TrainConfig, data=None, on_step: Callable | None = None, device=None):
-    """Build the job and train config.steps steps: (job, {"losses", "skipped", "seconds"}),
-    the same losses on every rank. gather.parameters_full(job) puts the model together."""
-    job = build_job(comm, config, data, device=device)
-    losses, skipped, start = [], [], time.perf_counter()
-    for step in range(config.steps):
-        loss, stepped = train_step(job)
-        losses.append(loss)
-        if not stepped:
-            skipped.append(step)
-        if on_step is not None:
-            on_step(job, loss)
-    return job, {"losses": losses, "skipped": skipped, "seconds": time.perf_counter() - start}

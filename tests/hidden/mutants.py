@@ -638,17 +638,17 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "12",
         "12.4",
-        "every stage builds stage 0's layers",
-        "layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)  # 2",
-        "layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, 0)",
+        "every stage takes stage 0's layers",
+        "layer_ids, chunks = apply_pp(model, config.pp, config.chunks, s, device)  # 4",
+        "layer_ids, chunks = apply_pp(model, config.pp, config.chunks, 0, device)  # 4",
         module=1,
     ),
     Mutant(
         "12",
         "12.4",
         "layers cut over the dp group instead of tp",
-        "        config.model,\n        mesh.tp_comm,\n        layer_ids,",
-        "        config.model,\n        mesh.dp_comm,\n        layer_ids,",
+        "apply_tp(model, mesh.tp_comm)",
+        "apply_tp(model, mesh.dp_comm)",
         module=1,
     ),
     Mutant(
