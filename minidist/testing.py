@@ -37,8 +37,6 @@ import pickle
 import sys
 import tempfile
 import threading
-import time
-import traceback
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -46,6 +44,7 @@ from hypothesis import strategies as st
 
 from minidist.comm.protocol import OPS, Deadlock, PeerFailed
 from minidist.launch.launcher import launch
+from minidist.launch.thread_ranks import run_thread_ranks
 
 PROCESS_BACKENDS = ("mpi", "gloo")
 GRACE = 1.0  # seconds run_threads waits for the other ranks once one has failed
@@ -143,29 +142,10 @@ def run_threads(
     if os.environ.get("MINIDIST_TIMEOUT"):  # grading: ranks that loop forever fail in seconds
         timeout = min(timeout, float(os.environ["MINIDIST_TIMEOUT"]) + RUN_PAST_COMM_TIMEOUT)
     world = threads_backend.ThreadsWorld(world_size, comm_timeout, sends)
-    results: list = [None] * world_size
-    errors: dict[int, tuple[BaseException, str]] = {}
-    failed_at: list[float] = []
-
-    def main(r: int) -> None:
-        try:
-            results[r] = fn(world.comm(r), *args)
-            world.finish(r)  # a rank still waiting for this one is told at once
-        except BaseException as e:
-            errors[r] = (e, traceback.format_exc())
-            failed_at.append(time.monotonic())
-            world.abort(f"rank {r} raised {type(e).__name__}")
-
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        while t.is_alive() and time.monotonic() < deadline:
-            t.join(min(0.05, max(0.0, deadline - time.monotonic())))
-            if failed_at:  # the abort wakes every rank in the comm; one stuck elsewhere never
-                deadline = min(deadline, failed_at[0] + GRACE)
-    running = [r for r, t in enumerate(threads) if t.is_alive()]
+    # the abort wakes every rank in the comm; one stuck elsewhere never: GRACE s, then given up
+    run = run_thread_ranks(fn, world, *args, limit=timeout, after_failure=GRACE)
+    errors = run.errors
+    running = run.running
     if running and not errors:
         world.abort("the harness timed out")
         raise AssertionError(f"timed out after {timeout:g}s; ranks still running: {running}")
@@ -184,7 +164,7 @@ def run_threads(
     if left:
         lines = "\n".join(f"  {line}" for line in left)
         raise AssertionError(f"{len(left)} message(s) sent but never received:\n{lines}")
-    return results
+    return run.results
 
 
 def run_processes(
@@ -222,7 +202,7 @@ def _capped(comm_timeout: float) -> float:
 
 def _worker(folder: str) -> None:
     """The body of one rank of run_processes: init, run the job, leave the result."""
-    from minidist.launch.launcher import init
+    from minidist.launch.init import init
 
     comm = init()
     with open(os.path.join(folder, "job.pkl"), "rb") as f:

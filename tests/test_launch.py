@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import minidist
-from minidist.launch.launcher import _torch_env, detect_backend, launch
+from minidist.launch.init import _torch_env, detect_backend
+from minidist.launch.launcher import launch, serve_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -155,6 +159,46 @@ def test_a_rank_that_leaves_early_is_named_within_seconds(backend):
     waited = rf"rank [02] of 3 \({backend}\): all_reduce\(op=sum\) #\d+ failed: rank 1 ended"
     assert re.search(waited + r" \(exit code 0\) while this rank waited for it", text), text
     assert began and ended - float(began.group(1)) < 10, f"took {ended - float(began.group(1))}s"
+
+
+@pytest.mark.threads
+def test_the_launchers_store_holds_its_port_from_the_moment_it_is_chosen():
+    """No port race at start: the store gloo and nccl ranks meet at is bound by the launcher as
+    the OS chooses its port (port 0) and never released before the ranks join it, so another
+    job (its store, any connection's local end) cannot take it meanwhile: a bind fails."""
+    store = serve_store(2, 5.0)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))
+    rank = dist.TCPStore("127.0.0.1", store.port, 2, False, datetime.timedelta(seconds=5))
+    rank.set("joined", "1")  # a rank joins it as a client
+    assert store.get("joined") == b"1"
+
+
+PLAIN_TORCH = """
+import os, socket, torch, torch.distributed as dist
+if os.environ["RANK"] == "0":  # the launcher holds the port: rank 0 cannot serve it
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            raise SystemExit("rank 0 could bind MASTER_PORT: nobody serves the store there")
+        except OSError:
+            pass
+dist.init_process_group("gloo")  # env://, as torchrun's workers: a client of the launcher's store
+x = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(x)
+assert x.item() == 3, x
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.processes
+def test_gloo_ranks_join_the_store_the_launcher_serves(tmp_path):
+    """Under minidist run every gloo rank, rank 0 too, is a client of the launcher's store, as
+    under torchrun: even a plain torch.distributed script (env://) runs unchanged."""
+    script = tmp_path / "plain_torch.py"
+    script.write_text(PLAIN_TORCH)
+    outcome = launch([str(script)], 2, "gloo", timeout=60)
+    assert outcome.returncode == 0, outcome.report()
 
 
 KILLED = [0, 1, 2]  # one job of 3 ranks per victim, all at once: the busier, the closer

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from minidist.launch.launcher import free_port, mpiexec
+from minidist.launch.launcher import mpiexec
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` command
@@ -70,6 +72,27 @@ def finish(procs: list[subprocess.Popen], deadline: float = DEADLINE) -> list[tu
         text = "".join(out for _, out in results)
         pytest.fail(f"processes {running} still running after {deadline}s:\n{text[-4000:]}")
     return results
+
+
+def free_port() -> int:
+    """A port free a moment ago, for a job whose rank 0 (or torchrun's agent) binds it when it
+    starts. Drawn below the range the OS takes the local ports of connections from
+    (ip_local_port_range): there, between this check and the bind, any connection of another
+    job could take it; here only a job that chose the same port. (`minidist run` has no such
+    gap: it binds its store's port as it chooses it, launch/launcher.py.)"""
+    low = 32768  # Linux's default start of that range
+    if os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    draw = random.Random()  # seeded from the OS: parallel test workers draw apart
+    while True:
+        port = draw.randrange(min(20000, low // 2), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def rank_env(**more: str) -> dict:

@@ -20,7 +20,7 @@ import torch
 
 from minidist.comm import frames, torchdist
 from minidist.comm.protocol import CommError
-from minidist.launch.launcher import _torch_env
+from minidist.launch.init import _torch_env
 from minidist.testing import impl, run_ranks
 
 BACKENDS = ["threads", "mpi", "gloo"]

@@ -5,7 +5,8 @@
 
 Every variant runs in the same job, round after round (7 rounds of ITERS calls), so machine noise
 hits all of them alike; rank 0 prints the median microseconds per call. "no agreement" is
-comm.all_reduce with the backend's _agree replaced by nothing: the difference is the check.
+comm.all_reduce with the backend's start_collective (its checks and agreement) replaced by
+nothing: the difference is the check.
 "raw" calls the library directly (mpi4py on numpy, or torch.distributed), outside minidist.
 "debug" is the same call through CheckedComm (debug mode): a ping-pong's two messages each
 carry a header message beside them; a collective first all-gathers the signatures and the
@@ -49,12 +50,13 @@ def ping_pong(comm, send, recv):
 
 
 def without_agreement(comm, x: torch.Tensor):
-    agree = type(comm)._agree
+    backend = sys.modules[type(comm).__module__]  # minidist.comm.mpi or .torchdist
+    start = backend.start_collective
 
     def call():
-        type(comm)._agree = lambda self, sig, what, payload=None: None
+        backend.start_collective = lambda *args, **kwargs: False  # not finished: go on
         comm.all_reduce(x)
-        type(comm)._agree = agree
+        backend.start_collective = start
 
     return call
 

@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import replace
 
@@ -42,6 +41,7 @@ from minidist.cluster import hardware as clusters
 from minidist.cluster import plan
 from minidist.cluster import search as plan_search
 from minidist.comm.threads import ThreadsWorld
+from minidist.launch.thread_ranks import run_thread_ranks
 from minidist.tensor_parallel.blocks import ParallelTransformerBlock
 from minidist.transformer import TransformerBlock
 
@@ -91,23 +91,17 @@ def problems(shape: plan.Shape) -> list[str]:
 
 def _on_threads(world: int, tp: int, shape: plan.Shape, b: int, repeats: int) -> list[float]:
     """Each of `world` ranks' median CPU seconds of its block slice, all running at once."""
-    threads_world, results, errors = ThreadsWorld(world), [0.0] * world, []  # default timeout
+    threads_world = ThreadsWorld(world)  # the default timeout
 
-    def rank_main(r: int) -> None:
-        try:
-            results[r] = _block_seconds(threads_world.comm(r), tp, shape, b, repeats)
-        except BaseException as e:  # raised below, in the caller's thread
-            errors.append(e)
-            threads_world.abort(f"rank {r} failed timing its block: {type(e).__name__}")
+    def abort_words(r: int, e: BaseException) -> str:
+        return f"rank {r} failed timing its block: {type(e).__name__}"
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    run = run_thread_ranks(
+        _block_seconds, threads_world, tp, shape, b, repeats, abort_words=abort_words
+    )
+    if run.errors:  # raised here, in the caller's thread: the first, the cause
+        raise next(iter(run.errors.values()))[0]
+    return run.results
 
 
 def _block_seconds(comm, tp: int, shape: plan.Shape, b: int, repeats: int) -> float:

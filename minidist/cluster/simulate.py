@@ -32,6 +32,7 @@ from torch.utils.flop_counter import flop_registry
 from minidist.cluster.hardware import Cluster, ring_seconds
 from minidist.comm.protocol import Blocking
 from minidist.comm.threads import ThreadsWorld
+from minidist.launch.thread_ranks import run_thread_ranks
 
 
 @dataclass
@@ -237,26 +238,21 @@ def simulate(
     that compute achieves (an assumption: measured MFU of large runs is 0.3-0.6)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} is not in (0, 1]")
-    world, sim = ThreadsWorld(world_size, timeout), _Sim(cluster, world_size)
-    results, errors = [None] * world_size, {}
+    world = ThreadsWorld(world_size, timeout)
+    sim = _Sim(cluster, world_size)
     rate = cluster.gpu.peak_flops * efficiency
 
-    def rank_main(r: int) -> None:
-        comm = SimulatedComm(world.comm(r), sim, list(range(world_size)))
-        try:
-            with FlopClock(sim.states[r], rate):
-                results[r] = fn(comm, *args)
-        except BaseException as e:
-            errors[r] = e  # in the order they happened: the first one is the cause
-            world.abort(f"simulated rank {r} failed: {type(e).__name__}: {e}")
+    def rank_main(inner):
+        comm = SimulatedComm(inner, sim, list(range(world_size)))
+        with FlopClock(sim.states[comm.rank], rate):
+            return fn(comm, *args)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        first = next(iter(errors))
-        raise RuntimeError(f"simulated rank {first} failed") from errors[first]
+    def abort_words(r: int, e: BaseException) -> str:
+        return f"simulated rank {r} failed: {type(e).__name__}: {e}"
+
+    run = run_thread_ranks(rank_main, world, abort_words=abort_words)  # until every rank ends
+    if run.errors:
+        first = next(iter(run.errors))  # in the order they happened: the first is the cause
+        raise RuntimeError(f"simulated rank {first} failed") from run.errors[first][0]
     s = sim.states
-    return Report(results, [x.clock for x in s], [x.compute for x in s], [x.traffic for x in s])
+    return Report(run.results, [x.clock for x in s], [x.compute for x in s], [x.traffic for x in s])

@@ -5,8 +5,11 @@ collective with the same shape, dtype, op and root: MPI and Gloo match collectiv
 alone, and a mismatch there gives wrong numbers, a crash or a hang. `agree` settles it in one
 all-gather of a fixed-size row per rank (the signature's text, and a small payload with it), and
 `finish_fused` completes a small collective from those rows, so that it costs one
-synchronisation, checked, as it did unchecked. Used by the mpi and gloo backends (`_agree`);
-threads compares the same texts at its meeting point, debug mode (checked.py) all-gathers them.
+synchronisation, checked, as it did unchecked. `start_collective` is the start of every library
+collective of the mpi and torch.distributed backends, written once: the checks of its arguments,
+its number, its agreement, and a small one finished there; a backend brings only its all-gather
+of the rows. threads compares the same texts at its meeting point, debug mode (checked.py)
+all-gathers them.
 See lessons/03_debugging_hangs, "No wrong numbers".
 """
 
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .protocol import CollectiveMismatch, reduce_rows
+from .protocol import CollectiveMismatch, check_gather, check_op, check_peer, reduce_rows
 
 SIG_BYTES = 160  # a signature's text travels in this many bytes
 # a library collective whose payload (its input) has at most comm.fused_bytes (a multiple of
@@ -61,6 +64,49 @@ def encode_signature(sig: str) -> torch.Tensor:
 
 def decode_signature(row: torch.Tensor) -> str:
     return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def start_collective(
+    comm,
+    gather: Callable,
+    name: str,
+    out: torch.Tensor | None = None,
+    inp: torch.Tensor | None = None,
+    op: str | None = None,
+    src: int | None = None,
+) -> bool:
+    """The start of the library collective `name` on comm (mpi, gloo, nccl): check its
+    arguments (ValueError), count it (comm.seq), and agree on its signature with every rank
+    (agree: CollectiveMismatch on every rank, before any buffer is touched), its input riding
+    along if small. True when that finished it (`out` holds this rank's result); False when the
+    caller must now move the payload in the library's own collective.
+
+    out: the result's tensor (all_reduce and broadcast: the input too; barrier: none); inp: the
+    input of all_gather and reduce_scatter; op: the reduction's; src: broadcast's root.
+    gather(row, what): the backend's all-gather of one row of bytes per rank, waited on under
+    its timeout, `what` naming the operation if it times out (agree's gather)."""
+    inp = out if inp is None else inp
+    if op is not None:
+        check_op(op, inp.dtype)
+    if name in ("all_gather", "reduce_scatter"):
+        check_gather(out, inp, comm.world_size, name)
+    if src is not None:
+        check_peer(comm, src, "src")
+    comm.seq += 1
+    extra = (("op", op),) if op is not None else (("src", src),) if src is not None else ()
+    what = _what(name, extra)
+    shape, dtype = (None, None) if inp is None else (inp.shape, inp.dtype)
+    rows = agree(comm, _signature(name, shape, dtype, extra), lambda row: gather(row, what), inp)
+    if rows is None:
+        return False
+    finish_fused(comm, rows, name, out, op or "sum", src or 0)
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _what(name: str, extra: tuple) -> str:
+    """The operation as its timeout names it: 'all_reduce(op=sum)', 'barrier'."""
+    return f"{name}({', '.join(f'{k}={v}' for k, v in extra)})" if extra else name
 
 
 def agree(comm, sig: str, gather: Callable, payload: torch.Tensor | None = None):

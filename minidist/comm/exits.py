@@ -122,14 +122,17 @@ class StoreJob:
         heard       how many watchers have      the host of the store serves until all have
         reported    the failing rank has read the states
     store: a TCPStore client, cloned twice (the main thread's queries and the watcher's must
-    not share a connection). serves: this rank hosts the store (rank 0, unless torchrun's agent
-    does): its end would end the store, so it stays until the others no longer need it.
-    linger: seconds the host waits at its end for the others to end.
+    not share a connection). host: the rank that serves the store (0), or None where a launcher
+    serves it (torchrun's agent, `minidist run`): the host's end would end the store, so it stays
+    until the others no longer need it. linger: seconds the host waits at its end for the
+    others to end.
     """
 
-    def __init__(self, store, rank: int, world_size: int, serves: bool, prefix: str, linger):
+    def __init__(self, store, rank: int, world_size: int, host: int | None, prefix: str, linger):
         self.store = store.clone()
-        self.rank, self.world_size, self.serves = rank, world_size, serves
+        self.rank, self.world_size = rank, world_size
+        self.host = host
+        self.serves = rank == host  # this rank hosts the store
         self.prefix, self.linger = prefix, linger
         self.failing = False  # this rank is reporting its own failure: its watcher stands down
         self.stopped = threading.Event()
@@ -145,7 +148,8 @@ class StoreJob:
 
     def ended(self, ranks, store=None) -> list[Ended]:
         """The ranks among `ranks` that wrote `ended/<rank>`, earliest first. A store that no
-        longer answers had its host end: rank 0, unless torchrun's agent serves it."""
+        longer answers had its host end: the host rank, if a rank serves it (named as ended);
+        where a launcher serves it, the launcher, which stops every rank anyway."""
         store = self.store if store is None else store
         found = []
         try:
@@ -154,8 +158,9 @@ class StoreJob:
                 if store.check([key]):
                     found.append(_parse(r, store.get(key).decode()))
         except RuntimeError:  # torch's DistNetworkError: the store's host is gone
-            host_gone = Ended(0, None, time.time(), "the store it served is gone")
-            return [host_gone] if not self.serves and 0 in ranks else []
+            if self.host is None or self.serves or self.host not in ranks:
+                return []
+            return [Ended(self.host, None, time.time(), "the store it served is gone")]
         return sorted(found, key=lambda e: e.when)
 
     def _running(self, store) -> list[int]:

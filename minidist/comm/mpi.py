@@ -14,10 +14,11 @@ No wrong numbers from a mismatch either. A message's MPI tag is the user's tag t
 its dtype's code, so an int32 message never lands in a float32 buffer of the same size; MPI
 itself reports a message of another size (`Get_count`, truncation). A receive that waits while
 a message with its tag but another dtype is pending says so (probed in the slow phase of the
-wait). Every collective starts by agreeing on its signature (`_agree`, protocol.agree): one
-all-gather of a fixed-size row per rank, the signature's text and, for a payload of at most
-fused_bytes, the payload itself, which is then folded locally (one collective in all); a larger
-payload follows in the library's own collective.
+wait). Every collective starts by agreeing on its signature (agreement.start_collective, the
+start the backends share; `_gather` is MPI's part): one all-gather of a fixed-size row per rank,
+the signature's text and, for a payload of at most fused_bytes, the payload itself, which is
+then folded locally (one collective in all); a larger payload follows in the library's own
+collective.
 
 Per message, only what a small message can afford: mpi4py is handed the tensor's address
 (`_buffer`), not a numpy view (measured 17 us against 2 us per message on a busy machine).
@@ -36,7 +37,7 @@ import time
 import torch
 
 from . import leftovers
-from .agreement import agree, finish_fused, signature, slot_bytes
+from .agreement import slot_bytes, start_collective
 from .exits import LOOK_EVERY, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
@@ -50,8 +51,6 @@ from .protocol import (
     DoneWork,
     PeerFailed,
     SelfMessages,
-    check_gather,
-    check_op,
     check_peer,
     check_tag,
     describe,
@@ -272,11 +271,7 @@ class MPIComm(Blocking):
     # collectives
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
-        check_op(op, t.dtype)
-        self.seq += 1
-        rows = self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})", t)
-        if rows is not None:
-            finish_fused(self, rows, "all_reduce", t, op)
+        if start_collective(self, self._gather, "all_reduce", t, op=op):
             return DoneWork()
         host, rows = self._host(t), None
         mpi_type = _native_type(t.dtype)
@@ -299,13 +294,7 @@ class MPIComm(Blocking):
         return CallbackWork(work, finish)
 
     def ireduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"):
-        check_op(op, inp.dtype)
-        check_gather(out, inp, self.world_size, "reduce_scatter")
-        self.seq += 1
-        sig = signature("reduce_scatter", inp, op=op)
-        rows = self._agree(sig, f"reduce_scatter(op={op})", inp)
-        if rows is not None:
-            finish_fused(self, rows, "reduce_scatter", out, op)
+        if start_collective(self, self._gather, "reduce_scatter", out, inp, op=op):
             return DoneWork()
         src, dst, rows = self._host(inp), self._host(out), None
         mpi_type = _native_type(inp.dtype)
@@ -331,11 +320,7 @@ class MPIComm(Blocking):
         return CallbackWork(work, finish)
 
     def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
-        check_gather(out, inp, self.world_size, "all_gather")
-        self.seq += 1
-        rows = self._agree(signature("all_gather", inp), "all_gather", inp)
-        if rows is not None:
-            finish_fused(self, rows, "all_gather", out)
+        if start_collective(self, self._gather, "all_gather", out, inp):
             return DoneWork()
         src, dst = self._host(inp), self._host(out)
         req = self.mpi_comm.Iallgather(_buffer(src), _buffer(dst))
@@ -343,11 +328,7 @@ class MPIComm(Blocking):
         return CallbackWork(work, self._back(dst, out))
 
     def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
-        check_peer(self, src, "src")
-        self.seq += 1
-        rows = self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})", t)
-        if rows is not None:
-            finish_fused(self, rows, "broadcast", t, src=src)
+        if start_collective(self, self._gather, "broadcast", t, src=src):
             return DoneWork()
         host = self._host(t)
         req = self.mpi_comm.Ibcast(_buffer(host), root=src)
@@ -355,20 +336,17 @@ class MPIComm(Blocking):
         return CallbackWork(work, self._back(host, t))
 
     def barrier(self) -> None:
-        self.seq += 1
-        self._agree("barrier()", "barrier")  # an all-gather: no rank leaves before all arrive
+        # an all-gather: no rank leaves before all arrive
+        start_collective(self, self._gather, "barrier")
 
-    def _agree(self, sig: str, what: str, payload: torch.Tensor | None = None):
-        """protocol.agree over MPI, which would match the payloads by order alone."""
-
-        def gather(row: bytes) -> bytearray:
-            rows = bytearray(self.world_size * slot_bytes(self))
-            MPI = _mpi()
-            req = self.mpi_comm.Iallgather([row, MPI.BYTE], [rows, MPI.BYTE])
-            _RequestWork(self, req, what, self.seq).wait()
-            return rows
-
-        return agree(self, sig, gather, payload)
+    def _gather(self, row: bytes, what: str) -> bytearray:
+        """Every rank's row of a collective's agreement (agreement.start_collective), rank after
+        rank: MPI alone would match the payloads by order, checking nothing."""
+        rows = bytearray(self.world_size * slot_bytes(self))
+        MPI = _mpi()
+        req = self.mpi_comm.Iallgather([row, MPI.BYTE], [rows, MPI.BYTE])
+        _RequestWork(self, req, what, self.seq).wait()
+        return rows
 
     def split(self, color: int) -> MPIComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""

@@ -8,8 +8,9 @@ timeout, so a hang becomes `CommTimeout` naming rank, operation, sequence number
 No wrong numbers from a mismatch (Gloo fills a larger receive buffer silently, aborts on a
 smaller one, matches collectives by order alone): messages travel framed with their count and
 dtype, a large one's bulk beside the frame straight from storage to storage (frames.py), and
-every collective starts with `_agree` (protocol.agree: one all-gather of the signature, carrying
-a small payload along so that it needs no second one).
+every collective starts with agreement.start_collective (the start every backend shares: the
+checks, then one all-gather of the signature, `_gather`, carrying a small payload along so that
+it needs no second one).
 
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
 should end, which is what the launcher does). And Gloo's point-to-point receives report
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import frames, leftovers
-from .agreement import agree, finish_fused, signature, slot_bytes
+from .agreement import slot_bytes, start_collective
 from .exits import StoreJob, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
@@ -42,8 +43,6 @@ from .protocol import (
     DoneWork,
     PeerFailed,
     SelfMessages,
-    check_gather,
-    check_op,
     check_peer,
     check_tag,
     describe,
@@ -72,7 +71,8 @@ def init_process_group(
     """Join the default process group over TCP at addr:port and return the world comm.
 
     nccl: this process drives GPU local_rank (its rank among the ranks of its machine).
-    agent_serves: a launcher's agent (torchrun's) serves the store at addr:port: join it.
+    agent_serves: a launcher serves the store at addr:port (torchrun's agent, minidist run):
+    join it.
     watch: no `minidist run` watches this job: the store tells every rank when one fails or
     ends (comm.job, a StoreJob of exits.py; attempt: torchrun's restart count, its keys').
     """
@@ -104,9 +104,9 @@ def init_process_group(
     atexit.register(close_all)
     comm = TorchDistComm(None, backend, device, timeout)
     if watch and world_size > 1:
-        serves = rank == 0 and not agent_serves
+        host = None if agent_serves else 0  # the rank that serves the store, if one does
         prefix = f"minidist/{attempt}/"
-        comm.job = StoreJob(store, rank, world_size, serves, prefix, linger=timeout)
+        comm.job = StoreJob(store, rank, world_size, host, prefix, linger=timeout)
         comm.roll = comm.job
         # registered after close_all, so it runs before it (atexit runs the last first): this
         # rank's end is in the store before its connections close and wake a waiting peer
@@ -119,9 +119,9 @@ def _store(rank: int, world_size: int, addr: str, port: int, wait, agent_serves:
     alone (so a local job, MASTER_ADDR=127.0.0.1, is not reachable from other hosts), and a
     port already taken, by another job's store say, is an error at once, not a timeout.
 
-    agent_serves: torchrun's agent already serves the store at addr:port and says so to its
-    workers (TORCHELASTIC_USE_AGENT_STORE=True): then every rank, rank 0 too, joins it as a
-    client; binding the port would find the agent there."""
+    agent_serves: a launcher already serves the store at addr:port and says so to its ranks
+    (TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent, minidist run): then every rank, rank 0
+    too, joins it as a client; binding the port would find the launcher there."""
     if rank != 0 or agent_serves:
         return dist.TCPStore(addr, port, world_size, False, wait)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -133,7 +133,7 @@ def _store(rank: int, world_size: int, addr: str, port: int, wait, agent_serves:
         raise CommError(
             f"rank 0 of {world_size}: cannot serve the rendezvous at {addr}:{port}: "
             f"{e.strerror}. Another job may hold the port: give each job its own MASTER_PORT "
-            f"(minidist run picks a free one)"
+            f"(minidist run and torchrun serve the store themselves, on a port no job can take)"
         ) from None
     listener.listen(max(world_size, 1))
     port = listener.getsockname()[1]  # port 0 (a world of one): the one the OS chose
@@ -327,11 +327,7 @@ class TorchDistComm(Blocking):
     # collectives
 
     def iall_reduce(self, t: torch.Tensor, op: str = "sum") -> CallbackWork:
-        check_op(op, t.dtype)
-        self.seq += 1
-        rows = self._agree(signature("all_reduce", t, op=op), f"all_reduce(op={op})", t)
-        if rows is not None:
-            finish_fused(self, rows, "all_reduce", t, op)
+        if start_collective(self, self._gather, "all_reduce", t, op=op):
             return DoneWork()
         dense = self._dense(t)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
@@ -345,13 +341,7 @@ class TorchDistComm(Blocking):
         return self._work(work, f"all_reduce(op={op})", finish=finish)
 
     def ireduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"):
-        check_op(op, inp.dtype)
-        check_gather(out, inp, self.world_size, "reduce_scatter")
-        self.seq += 1
-        sig = signature("reduce_scatter", inp, op=op)
-        rows = self._agree(sig, f"reduce_scatter(op={op})", inp)
-        if rows is not None:
-            finish_fused(self, rows, "reduce_scatter", out, op)
+        if start_collective(self, self._gather, "reduce_scatter", out, inp, op=op):
             return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         reduce_op = getattr(dist.ReduceOp, _OPS[op])
@@ -367,42 +357,31 @@ class TorchDistComm(Blocking):
         return self._work(work, f"reduce_scatter(op={op})", finish=finish)
 
     def iall_gather(self, out: torch.Tensor, inp: torch.Tensor) -> CallbackWork:
-        check_gather(out, inp, self.world_size, "all_gather")
-        self.seq += 1
-        rows = self._agree(signature("all_gather", inp), "all_gather", inp)
-        if rows is not None:
-            finish_fused(self, rows, "all_gather", out)
+        if start_collective(self, self._gather, "all_gather", out, inp):
             return DoneWork()
         src, dst = self._dense(inp).reshape(-1), self._dense(out)
         work = self._issue("all_gather", None, _all_gather_flat, dst.reshape(-1), src)
         return self._work(work, "all_gather", finish=self._back(dst, out))
 
     def ibroadcast(self, t: torch.Tensor, src: int) -> CallbackWork:
-        check_peer(self, src, "src")
-        self.seq += 1
-        rows = self._agree(signature("broadcast", t, src=src), f"broadcast(src={src})", t)
-        if rows is not None:
-            finish_fused(self, rows, "broadcast", t, src=src)
+        if start_collective(self, self._gather, "broadcast", t, src=src):
             return DoneWork()
         dense = self._dense(t)
         work = self._issue("broadcast", src, dist.broadcast, dense, self._global(src))
         return self._work(work, f"broadcast(src={src})", src, self._back(dense, t))
 
     def barrier(self) -> None:
-        self.seq += 1
-        self._agree("barrier()", "barrier")  # an all-gather: no rank leaves before all arrive
+        # an all-gather: no rank leaves before all arrive
+        start_collective(self, self._gather, "barrier")
 
-    def _agree(self, sig: str, what: str, payload: torch.Tensor | None = None):
-        """protocol.agree over Gloo, which would return wrong numbers on some ranks, or abort."""
-
-        def gather(row: bytes):
-            mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
-            rows = mine.new_empty(self.world_size * slot_bytes(self))  # (p * slot,) bytes
-            work = self._issue(what, None, _all_gather_flat, rows, mine)
-            _TorchWork(self, [work], what, self.seq).wait()
-            return rows.cpu().numpy()
-
-        return agree(self, sig, gather, payload)
+    def _gather(self, row: bytes, what: str):
+        """Every rank's row of a collective's agreement (agreement.start_collective), rank after
+        rank: Gloo alone would return wrong numbers on some ranks of a mismatch, or abort."""
+        mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(self.device)
+        rows = mine.new_empty(self.world_size * slot_bytes(self))  # (p * slot,) bytes
+        work = self._issue(what, None, _all_gather_flat, rows, mine)
+        _TorchWork(self, [work], what, self.seq).wait()
+        return rows.cpu().numpy()
 
     def split(self, color: int) -> TorchDistComm:
         """Ranks with equal `color` form a new comm, keeping their order. Collective."""
