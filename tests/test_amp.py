@@ -73,7 +73,9 @@ def make_optimizer(name: str):
 
 def expected_scales(init: float, interval: int, skipped: set[int], steps: int) -> list[float]:
     """The scale after each step: halved on a skipped step, doubled after `interval` clean ones."""
-    scale, clean, out = init, 0, []
+    scale = init
+    clean = 0
+    out = []
     for step in range(steps):
         if step in skipped:
             scale, clean = scale / 2, 0
@@ -88,7 +90,10 @@ def expected_scales(init: float, interval: int, skipped: set[int], steps: int) -
 def amp_dp_matches_single_process(comm, case: dict) -> list[int]:
     """DP x accumulation x loss scaling (float64) equals one process on the whole batch."""
     amp = impl("mixed_precision.amp")
-    p, r, m, b = comm.world_size, comm.rank, case["micro"], case["b"]
+    p = comm.world_size
+    r = comm.rank
+    m = case["micro"]
+    b = case["b"]
     f64 = amp.Precision(torch.float64, torch.float64, torch.float64)
     data = problem(case["d"], p * m * b, case["seed"], case["steps"])
     poisoned_step, poisoned_rank = case["inject"]

@@ -326,7 +326,9 @@ def launched(comm, n_per_rank: int) -> None:
     got = {}
     for algorithm in ("library", "ring"):
         launcher = Launcher(comm, algorithm)
-        summed, shard, whole = inp.clone(), torch.empty(n_per_rank), torch.empty(p * n_per_rank)
+        summed = inp.clone()
+        shard = torch.empty(n_per_rank)
+        whole = torch.empty(p * n_per_rank)
         works = [launcher.all_reduce(summed), launcher.reduce_scatter(shard, inp)]
         for work in works:
             work.wait()

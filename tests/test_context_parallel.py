@@ -66,7 +66,9 @@ def ring_matches(comm, case: dict) -> None:
     tokens; q, k, v handed over non-contiguous. q x 1000: exp() of a score overflows float64
     unless every exponent is taken relative to a log-sum-exp."""
     cp_module = impl("context_parallel.ring_attention")
-    cp, r, layout = comm.world_size, comm.rank, case["layout"]
+    cp = comm.world_size
+    r = comm.rank
+    layout = case["layout"]
     chunks = 2 * cp if layout == "zigzag" else cp
     t, dev = case["m"] * chunks, torch.device(case.get("device", "cpu"))
     gen = torch.Generator().manual_seed(case["seed"])
@@ -119,7 +121,10 @@ def layer_matches(comm, case: dict) -> None:
     """ContextParallelSelfAttention (+ sum_gradients) vs the same projections and attention on
     the whole sequence: the output, dL/dx and every weight's gradient."""
     cp_module = impl("context_parallel.ring_attention")
-    cp, r, layout, h = comm.world_size, comm.rank, case["layout"], case["h"]
+    cp = comm.world_size
+    r = comm.rank
+    layout = case["layout"]
+    h = case["h"]
     t, d = case["m"] * (2 * cp if layout == "zigzag" else cp), h * case["d"]
     layer = cp_module.ContextParallelSelfAttention(d, h, comm, layout, case["seed"], dtype=F64)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
@@ -235,13 +240,19 @@ def test_ranks_with_different_layouts_fail_naming_the_message_never_wrong_number
 
 # ---- bytes, saved tensors and measured work per rank ----------------------------------------
 
-B, H, D, M = 2, 3, 4, 2  # batch, heads, head dim, tokens per chunk
+# batch, heads, head dim, tokens per chunk
+B = 2
+H = 3
+D = 4
+M = 2
 
 
 def measured(comm, layout: str) -> dict:
     """Bytes sent forward and backward, messages' peers, saved bytes and work, on one rank."""
     cpm = impl("context_parallel.ring_attention")
-    counter, saved, stats = Counter(), {}, {}
+    counter = Counter()
+    saved = {}
+    stats = {}
     c = ObservedComm(comm, counter)
     n = M * (2 if layout == "zigzag" else 1)  # tokens per rank
     gen = torch.Generator().manual_seed(comm.rank)
@@ -292,7 +303,9 @@ def test_block_grads_equal_autograd_on_one_block(diagonal):
     cpm = impl("context_parallel.ring_attention")
     gen = torch.Generator().manual_seed(153)
     q, k, v, grad_out = (torch.randn(2, 3, 5, 4, generator=gen, dtype=F64) for _ in range(4))
-    q, k, v = leaf(q), leaf(k), leaf(v)
+    q = leaf(q)
+    k = leaf(k)
+    v = leaf(v)
     s = q @ k.transpose(-2, -1) * 0.5  # (B, H, m, m)
     if diagonal:
         s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
@@ -310,7 +323,9 @@ def test_block_grads_equal_autograd_on_one_block(diagonal):
 def test_bytes_saved_tensors_and_work_match_the_formulas(cp, layout):
     cpm = impl("context_parallel.ring_attention")
     for r, got in enumerate(run_threads(measured, cp, layout, **FAST)):
-        n, b, nxt = got["n"], 8, (r + 1) % cp
+        n = got["n"]
+        b = 8
+        nxt = (r + 1) % cp
         fwd, bwd = got["forward"], got["backward"]
         assert fwd["sent_to"] == ({nxt: 2 * (cp - 1) * n * b} if cp > 1 else {}), (r, fwd)
         assert fwd["calls"].get("send", 0) == cp - 1, (r, fwd)

@@ -68,7 +68,10 @@ def make_optimizer(name, params):
 def dp_matches_single_process(comm, case: dict) -> dict:
     """Train the reference and the data-parallel model side by side; check after every step."""
     dp_mod = impl("data_parallel.wrappers")
-    d, h, b, seed = case["d"], case["h"], case["b"], case["seed"]
+    d = case["d"]
+    h = case["h"]
+    b = case["b"]
+    seed = case["seed"]
     p, r = comm.world_size, comm.rank
     steps, accum = case["steps"], case["accum"]
     data = problem(d, h, b * p, seed, (steps, accum))

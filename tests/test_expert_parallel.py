@@ -44,7 +44,10 @@ def naive_moe(full, x: torch.Tensor, groups: list[int], cap_factor, k: int, alph
     """(y, auxes, kept): the single-process MoE by its definition, group by group; kept[g] lists
     group g's kept (token, expert) pairs. Uses full's router weight and experts, nothing else."""
     w, n_experts = full.router.weight, len(full.experts)
-    ys, auxes, kept, start = [], [], [], 0
+    ys = []
+    auxes = []
+    kept = []
+    start = 0
     for n in groups:
         xg = x[start : start + n]  # (n, D)
         start += n

@@ -319,7 +319,9 @@ def test_score_shares_each_tasks_points_among_its_checks(monkeypatch):
 @pytest.mark.threads
 def test_grade_writes_json_and_junit_and_refuses_with_exit_3(tmp_path):
     """Lab 06 with its regions filled, two of its checks selected: a quick end-to-end grade."""
-    path, report, junit = tmp_path / "lab.py", tmp_path / "grade.json", tmp_path / "junit.xml"
+    path = tmp_path / "lab.py"
+    report = tmp_path / "grade.json"
+    junit = tmp_path / "junit.xml"
     path.write_text(labs_cut.fresh("06", cut=set()))
     tool = os.path.join(ROOT, "tools", "labs.py")
     args = ["grade", "06", "--file", str(path), "--json", str(report), "--junit", str(junit)]

@@ -134,7 +134,9 @@ def test_lesson_11_quotes_what_its_demo_prints(lesson_11):
         m = re.match(r"  (small|large \+ warm-up|large, no warm-up) +([\d. ]+)$", line)
         if m:
             curves[m[1]] = m[2].split()  # held-out losses, as printed
-    small, warm, cold = curves["small"], curves["large + warm-up"], curves["large, no warm-up"]
+    small = curves["small"]
+    warm = curves["large + warm-up"]
+    cold = curves["large, no warm-up"]
     text = prose("11_large_batches")
     peak = max(cold, key=float)
     assert f"jumped to a loss of {peak} after its first steps" in text, peak
@@ -154,7 +156,13 @@ def test_lesson_12_quotes_what_its_demo_prints(lesson_12):
 def test_lesson_12_tp_bytes_read_as_the_formula(lesson_12):
     """20 a on stage 0, 20 a + m 3 b T x on stage 1, with the demo's sizes, and the ratios."""
     text = prose("12_3d_parallel")
-    m, b, T, D, e, x = 4, 2, 16, 32, 8, 8  # the demo's: float64, T = 16, D = 32, b = 2, m = 4
+    # the demo's: float64, T = 16, D = 32, b = 2, m = 4
+    m = 4
+    b = 2
+    T = 16
+    D = 32
+    e = 8
+    x = 8
     assert "(float64, T = 16, D = 32, b = 2, m = 4: a = 8 KiB;" in text
     a = b * T * D * e
     assert a == 8 * 1024
@@ -258,7 +266,9 @@ def test_lesson_13_summary_of_the_published_runs_is_its_table():
 @pytest.mark.pure
 def test_lesson_02_alpha_beta_table_is_the_formulas():
     text = prose("02_collectives")
-    a, B, p = 3e-6, 10e9, 4
+    a = 3e-6
+    B = 10e9
+    p = 4
     assert "(next section: a = 3 us," in text and "B = 10 GB/s," in text
     for size, unit, scale in (("1 KiB", "us", 1e6), ("64 MiB", "ms", 1e3)):
         S = 1024 if size == "1 KiB" else 64 * 2**20

@@ -48,7 +48,9 @@ def test_groups_are_the_grids_slices_and_tp_is_adjacent(dp_pp_tp):
     layout = impl("mesh").Layout(*dp_pp_tp)
     for rank in range(layout.world_size):
         # the coordinates from the grid's definition, not from coords() (lab 12.1)
-        d, s, t = rank // (layout.pp * layout.tp), rank // layout.tp % layout.pp, rank % layout.tp
+        d = rank // (layout.pp * layout.tp)
+        s = rank // layout.tp % layout.pp
+        t = rank % layout.tp
         tp = layout.group(rank, "tp")
         assert tp == list(range(tp[0], tp[0] + layout.tp)), "tp ranks must be adjacent"
         for axis, coordinate in zip(("dp", "pp", "tp"), (d, s, t), strict=True):

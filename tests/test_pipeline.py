@@ -108,7 +108,10 @@ def same_tensors(step: int, mine: list[int], layers, ref_layers, grads: bool) ->
 def pipeline_matches_single_process(comm, case: dict) -> None:
     """Train the reference and this rank's stage side by side; check after every step."""
     pipe = impl("pipeline.stage")
-    name, m, p, r = case["schedule"], case["m"], comm.world_size, comm.rank
+    name = case["schedule"]
+    m = case["m"]
+    p = comm.world_size
+    r = comm.rank
     v = case["v"] if name == "interleaved" else 1
     try:
         program = build_schedules(name, p, m, v)[r]
@@ -188,7 +191,9 @@ def test_pipeline_threads_cuda(p, case):
 
 def timeline_and_memory(comm, name: str, m: int, v: int) -> dict:
     """One traced step: the gathered timeline, and the measured activation memory."""
-    pipe, p, r = impl("pipeline.stage"), comm.world_size, comm.rank
+    pipe = impl("pipeline.stage")
+    p = comm.world_size
+    r = comm.rank
     layers = make_layers([3, 4, 5, 4, 3, 4, 2, 3, 2, 4, 3, 2, 1], 0)
     bounds = cut(len(layers), p * v, 0)
     chunks = [nn.Sequential(*layers[slice(*bounds[c * p + r])]) for c in range(v)]
@@ -281,7 +286,9 @@ def test_zero_bubble_b_leaves_weights_to_w(wrap):
 
 
 def bad_run(comm, what: str) -> None:
-    pipe, p, r = impl("pipeline.stage"), comm.world_size, comm.rank
+    pipe = impl("pipeline.stage")
+    p = comm.world_size
+    r = comm.rank
     layers = make_layers([2, 3, 2], 0)
     chunks = [nn.Sequential(layers[r])] * (2 if what == "chunks" else 1)
     stage = pipe.PipelineStage(chunks, comm, nn.functional.mse_loss)

@@ -39,7 +39,10 @@ def test_parameter_counts_match_the_names(name, billions):
 
 @pytest.mark.pure
 def test_flops_per_token_is_megatrons_formula():
-    s, h, L, V = GPT3.seq, GPT3.hidden, GPT3.layers, GPT3.vocab
+    s = GPT3.seq
+    h = GPT3.hidden
+    L = GPT3.layers
+    V = GPT3.vocab
     # Narayanan et al. (SC 2021): 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step, B = 1, s tokens
     megatron = 72 * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
     assert 3 * GPT3.forward_flops_per_token() * s == pytest.approx(megatron, rel=1e-12)
@@ -62,7 +65,10 @@ def test_model_state_is_the_zero_papers(zero, per_param):
     [("none", False, 10 + 24 / 8), ("none", True, 34 / 8), ("selective", True, 34 / 8)],
 )
 def test_activations_are_korthikantis_table_2(recompute, sp, constant):
-    s, h, a, t = GPT3.seq, GPT3.hidden, GPT3.heads, 8
+    s = GPT3.seq
+    h = GPT3.hidden
+    a = GPT3.heads
+    t = 8
     x = plan.Layout(dp=1, pp=4, tp=t, b=2, recompute=recompute, sp=sp)
     attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
     per_layer = s * 2 * h * (constant + attention)
@@ -81,11 +87,9 @@ def test_activations_are_korthikantis_table_2(recompute, sp, constant):
 def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     x = plan.Layout(dp=1, pp=pp, tp=1, v=v)
     parts = plan.step(GPT3, x, A100, batch=m, eff=plan.Efficiency(compute=0.5))
-    rate, s, h = (
-        A100.gpu.peak_flops * 0.5 * plan.matmul_share(GPT3, x, A100.gpu),
-        GPT3.seq,
-        GPT3.hidden,
-    )
+    rate = A100.gpu.peak_flops * 0.5 * plan.matmul_share(GPT3, x, A100.gpu)
+    s = GPT3.seq
+    h = GPT3.hidden
     memory = plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
     layers = 3 * (2 * GPT3.layer_params() + 4 * s * h) * GPT3.layers // pp  # a stage's, a token
     head = 3 * 2 * GPT3.vocab * h  # on the last stage, which sets the pace
@@ -181,7 +185,9 @@ def tp_bytes(comm, b: int, s: int, d: int) -> int:
 @pytest.mark.threads
 def test_tensor_parallel_bytes_per_layer_are_the_plans():
     # the plan: 4 all-reduces of b s h values per layer (2 forward, 2 backward), float32 here
-    b, s, d = 2, 8, 32
+    b = 2
+    s = 8
+    d = 32
     for got in run_threads(tp_bytes, 2, b, s, d):
         assert got == 4 * b * s * d * 4
 

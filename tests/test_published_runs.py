@@ -54,7 +54,9 @@ def layout_of(rid: str) -> plan.Layout:
 
 def published_seconds(rid: str) -> float:
     """The iteration time the source reports, or implies by its MFU or TFLOP/s."""
-    shape, c, (what, value) = shape_of(rid), cluster_of(rid), published.REPORTED[rid]
+    shape = shape_of(rid)
+    c = cluster_of(rid)
+    what, value = published.REPORTED[rid]
     gpus, batch = published.RUNS[rid][4], published.RUNS[rid][10]
     tokens = batch * shape.seq
     if what == "seconds":
@@ -98,7 +100,9 @@ def ranked(rid: str, own_memory: bool = False) -> tuple:
         schedule = x.v == 1 or row[1] not in published.NO_INTERLEAVING
         return techniques and model_parallel and schedule
 
-    c, eff, flash = cluster_of(rid), efficiency_of(rid), bool(row[13])
+    c = cluster_of(rid)
+    eff = efficiency_of(rid)
+    flash = bool(row[13])
     if own_memory:
         need = sum(predicted(rid).memory.values()) / 0.9  # evaluate()'s headroom
         c = replace(c, gpu=replace(c.gpu, memory=max(c.gpu.memory, need * (1 + 1e-9))))

@@ -186,7 +186,10 @@ class DiesMidPush:
     """A comm that raises Crash instead of sending the m-th gradient (its header went out)."""
 
     def __init__(self, comm, data_tag: int, m: int):
-        self.inner, self.tag, self.m, self.sent = comm, data_tag, m, 0
+        self.inner = comm
+        self.tag = data_tag
+        self.m = m
+        self.sent = 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -370,7 +373,9 @@ BAD = {  # what a misbehaving worker does -> why the server drops it (and it alo
 def misbehaving_workers(comm, how: list[str]):
     """Rank 0 serves 3 float64 parameters; rank 1 pushes 4 gradients of ones; rank 2 + k
     misbehaves as how[k]. Rank 0 returns the server's log; a dropped worker, what it saw."""
-    ps, n, f64 = impl("sgd.parameter_server"), 3, torch.float64
+    ps = impl("sgd.parameter_server")
+    n = 3
+    f64 = torch.float64
     if comm.rank == 0:
         log = ps.serve(comm, torch.zeros(n, dtype=f64), 0.1, worker_timeout=30.0)
         return {"lost": log.lost, "left": log.left, "params": log.params}

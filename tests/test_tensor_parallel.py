@@ -72,9 +72,15 @@ def leaf(t):
 def linear_matches(comm, case: dict) -> None:
     """Column- or row-parallel linear (every option) vs nn.Linear: y, dL/dx, W and b and grads."""
     tp = impl("tensor_parallel.layers")
-    p, r, kind, sp = comm.world_size, comm.rank, case["kind"], case["sp"]
+    p = comm.world_size
+    r = comm.rank
+    kind = case["kind"]
+    sp = case["sp"]
     gen = torch.Generator().manual_seed(case["seed"])
-    i, o, b, t = case["i"] * p, case["o"] * p, case["b"], case["t"] * p
+    i = case["i"] * p
+    o = case["o"] * p
+    b = case["b"]
+    t = case["t"] * p
     lin = full_linear(i, o, case["bias"], gen)
     x, gy = randn(gen, b, t, i), randn(gen, b, t, o)
     x_ref = leaf(x)
@@ -308,12 +314,10 @@ def expected_slices(full, r: int, p: int, grad: bool) -> dict:
 def build_parallel(blocks, full, comm, case: dict, dtype):
     """The parallel part under test: from a seed (the twin's seed) or from_full(full)."""
     kw = {"sequence_parallel": case["sp"], "dtype": dtype}
-    d, h, d_ff, seed = (
-        full.qkv.weight.shape[1],
-        full.n_heads,
-        full.fc1.weight.shape[0],
-        case["seed"],
-    )
+    d = full.qkv.weight.shape[1]
+    h = full.n_heads
+    d_ff = full.fc1.weight.shape[0]
+    seed = case["seed"]
     if case["part"] == "mlp":
         return blocks.ParallelMLP(d, d_ff, comm, seed + 2, **kw), "mlp."
     if case["part"] == "attention":
@@ -326,8 +330,13 @@ def build_parallel(blocks, full, comm, case: dict, dtype):
 def block_matches(comm, case: dict, dtype=F64, rtol=RTOL, atol=ATOL) -> None:
     """A parallel MLP, attention or block (sequence-parallel or not) vs the reference maths."""
     blocks = impl("tensor_parallel.blocks")
-    p, r, sp = comm.world_size, comm.rank, case["sp"]
-    h, hd, d_ff, t = case["heads"] * p, case["hd"], case["ff"] * p, case["t"] * p
+    p = comm.world_size
+    r = comm.rank
+    sp = case["sp"]
+    h = case["heads"] * p
+    hd = case["hd"]
+    d_ff = case["ff"] * p
+    t = case["t"] * p
     d = h * hd
     full = transformer.TransformerBlock(d, h, d_ff, case["causal"], case["seed"], dtype=dtype)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
@@ -404,9 +413,14 @@ def test_float32_block(p, sp):
 def vocab_matches(comm, case: dict) -> None:
     """VocabParallelEmbedding vs nn.Embedding; vocab_parallel_cross_entropy vs F.cross_entropy."""
     tp, blocks = impl("tensor_parallel.layers"), impl("tensor_parallel.blocks")
-    p, r, sp = comm.world_size, comm.rank, case["sp"]
+    p = comm.world_size
+    r = comm.rank
+    sp = case["sp"]
     gen = torch.Generator().manual_seed(case["seed"])
-    v, d, b, t = case["v"] * p, case["d"], case["b"], case["t"] * p
+    v = case["v"] * p
+    d = case["d"]
+    b = case["b"]
+    t = case["t"] * p
     emb = nn.Embedding(v, d, _weight=randn(gen, v, d))
     ids = torch.randint(0, v, (b, t), generator=gen)
     ge = randn(gen, b, t, d)
@@ -457,7 +471,12 @@ def test_vocab_parallel_threads(p, case):
 
 # ---- collectives and bytes per layer, activation memory ----------------------------------------
 
-B, T, D, H, FF = 2, 4, 8, 4, 8  # T, H and FF divisible by the tp sizes counted below (1, 2, 4)
+# T, H and FF divisible by the tp sizes counted below (1, 2, 4)
+B = 2
+T = 4
+D = 8
+H = 4
+FF = 8
 
 
 def counted(comm, part: str, sp: bool) -> dict:
@@ -500,7 +519,9 @@ def calls(s: dict) -> dict:
 BTD = B * T * D * 8  # bytes of one (B, T, D) float64 activation
 
 
-AR, AG, RS = "all_reduce", "all_gather", "reduce_scatter"
+AR = "all_reduce"
+AG = "all_gather"
+RS = "reduce_scatter"
 # (part, sequence parallel): forward, backward: {op: (calls, payload bytes)}, as documented;
 # with sequence parallelism an all-gather's payload is this rank's shard, B*T*D/p
 COUNTS = {
@@ -666,7 +687,9 @@ def test_tensor_parallel_processes(backend):
 def cuda_block(comm, sp: bool) -> None:
     """A sequence-parallel (or not) block and the vocabulary-parallel loss on cuda:0."""
     blocks, tp = impl("tensor_parallel.blocks"), impl("tensor_parallel.layers")
-    p, r, dev = comm.world_size, comm.rank, torch.device("cuda")
+    p = comm.world_size
+    r = comm.rank
+    dev = torch.device("cuda")
     full = transformer.TransformerBlock(4 * p, 2 * p, 4 * p, seed=1, dtype=F64, device=dev)
     par = blocks.ParallelTransformerBlock.from_full(full, comm, sequence_parallel=sp)
     x = randn(torch.Generator().manual_seed(2), 3, 2 * p, 4 * p).to(dev)

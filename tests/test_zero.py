@@ -154,7 +154,10 @@ def check_replicas_identical(comm, z, step: int) -> None:
 def zero_matches_single_process(comm, case: dict, device="cpu") -> list:
     """Train the reference and the ZeRO model side by side; check after every step."""
     zero_mod = impl("zero.stages")
-    d, h, b, seed = case["d"], case["h"], case["b"], case["seed"]
+    d = case["d"]
+    h = case["h"]
+    b = case["b"]
+    seed = case["seed"]
     p, r = comm.world_size, comm.rank
     data = batches(d, [b * p] * case["steps"], seed, case["accum"], device)
     ref = Net(d, h, seed, device)
@@ -281,13 +284,21 @@ def zero_mixed_matches_single_process(comm, case: dict, device="cpu") -> list[in
     scale equals plain float64 training on the whole batch that skips the same steps: every
     parameter, master, optimizer state and the scale, on every rank, after every step."""
     zero_mod = impl("zero.stages")
-    d, h, b, seed, p, r = case["d"], case["h"], case["b"], case["seed"], comm.world_size, comm.rank
+    d = case["d"]
+    h = case["h"]
+    b = case["b"]
+    seed = case["seed"]
+    p = comm.world_size
+    r = comm.rank
     data = batches(d, [b * p] * case["steps"], seed, case["accum"], device)
     ref = Net(d, h, seed, device)
     opt_cls, kwargs = OPTIMIZERS[case["opt"]]
     ref_opt = opt_cls([q for q in ref.parameters() if q.requires_grad], **kwargs)
     local = Net(d, h, seed + 1000 * r, device)  # ranks start out of sync on purpose
-    scale, clean, skipped, problems = 2.0 ** case["log_scale"], 0, poisoned(case, p), []
+    scale = 2.0 ** case["log_scale"]
+    clean = 0
+    skipped = poisoned(case, p)
+    problems = []
     scaler = LossScaler(scale, growth_interval=case["interval"])
     opts = options(case, local) | {"scaler": scaler}
     opts |= {"precision": F64} if case["masters"] else {}  # else loss scaling alone
@@ -642,8 +653,15 @@ def checkpoint_reshards(comm, case: dict) -> None:
     """Train in world A (ka ranks, stage sa), consolidate on rank 0 and check it against the
     reference; load it into world B (kb ranks, stage sb) and keep training: still equal."""
     zero_mod = impl("zero.stages")
-    ka, kb, k1, k2, b = case["ka"], case["kb"], case["k1"], case["k2"], case["b"]
-    d, h, seed, r = case["d"], case["h"], case["seed"], comm.rank
+    ka = case["ka"]
+    kb = case["kb"]
+    k1 = case["k1"]
+    k2 = case["k2"]
+    b = case["b"]
+    d = case["d"]
+    h = case["h"]
+    seed = case["seed"]
+    r = comm.rank
     world_a, world_b = comm.split(int(r < ka)), comm.split(int(r < kb))  # both hold rank 0
     data = batches(d, [b * ka] * k1 + [b * kb] * k2, seed, 1)
     ref = Net(d, h, seed)

@@ -113,7 +113,10 @@ def build(case: dict, seed: int) -> nn.Module:
 def parts_match_single_process(comm, case: dict) -> None:
     """Train the reference and ZeRO side by side; every parameter and every piece of the
     optimizer state equal one process's after every step, on every rank."""
-    p, r, b, d = comm.world_size, comm.rank, case["b"], case["d"]
+    p = comm.world_size
+    r = comm.rank
+    b = case["b"]
+    d = case["d"]
     g = torch.Generator().manual_seed(case["seed"])
     xs = [torch.randn(b * p, d, generator=g, **KW) for _ in range(case["steps"])]  # (B, d)
     ref = build(case, case["seed"])

@@ -61,8 +61,15 @@ def groups_match_single_process(comm, case: dict) -> None:
     """Train with groups in world A (ka ranks, stage sa), compare every step with one process;
     halve group 0's lr (as a scheduler would) on both; consolidate and check the groups; load
     into world B (kb ranks, stage sb, built with the old lr) and train on: still equal."""
-    ka, kb, k1, k2, b = case["ka"], case["kb"], case["k1"], case["k2"], case["b"]
-    d, h, seed, r = case["d"], case["h"], case["seed"], comm.rank
+    ka = case["ka"]
+    kb = case["kb"]
+    k1 = case["k1"]
+    k2 = case["k2"]
+    b = case["b"]
+    d = case["d"]
+    h = case["h"]
+    seed = case["seed"]
+    r = comm.rank
     world_a, world_b = comm.split(int(r < ka)), comm.split(int(r < kb))  # both hold rank 0
     data = batches(d, [b * ka] * k1 + [b * kb] * k2, seed, 1)
     ref = Net(d, h, seed)

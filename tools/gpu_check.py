@@ -101,7 +101,9 @@ def tp_block(comm, b: int, t: int, d: int, steps: int) -> float:
 def tp_tflops(cluster) -> tuple[bool, str]:
     from minidist.testing import run_threads
 
-    b, t, d = 4, 1024, 4096
+    b = 4
+    t = 1024
+    d = 4096
     seconds = max(run_threads(tp_block, 2, b, t, d, 10, timeout=90))
     achieved = block_flops(b, t, d) / seconds / 1e12
     peak = "no preset matches this GPU"

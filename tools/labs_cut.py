@@ -49,7 +49,9 @@ def regions(text: str, where: str = "module") -> list[tuple[str, int, int, str, 
     Raises LabError, naming the line, on a begin without end, an end without begin, nesting, a
     repeated id, an empty region, or a body line indented less than its begin marker.
     """
-    found, open_region, seen = [], None, set()
+    found = []
+    open_region = None
+    seen = set()
     lines = text.splitlines()
     for i, line in enumerate(lines):
         begin, end = BEGIN.match(line), END.match(line)
@@ -119,7 +121,9 @@ def make_lab(text: str, module: str, lesson: str, cut: set[str] | None = None) -
         raise LabError(f"{module} has no '# lab {lesson}.k begin' regions")
     cut = {r[0] for r in found} if cut is None else cut
     package = module.removesuffix(".py").split("/")[:-1]  # minidist/comm/x.py -> minidist.comm
-    lines, out, skip_to = text.splitlines(), [], -1
+    lines = text.splitlines()
+    out = []
+    skip_to = -1
     starts = {start: (rid, end, indent, hint) for rid, start, end, indent, hint in found}
     for i, line in enumerate(lines):
         if i <= skip_to:
@@ -199,7 +203,9 @@ def bodies(text: str, lesson: str, where: str = "lab") -> tuple[list[str], dict[
     """(the lines outside this lesson's regions, markers included; {id: the region's body}).
 
     A light parse of a learner's file: it only needs matching markers, in any indentation."""
-    outside, inside, current = [], {}, None
+    outside = []
+    inside = {}
+    current = None
     for i, line in enumerate(text.splitlines(), 1):
         begin, end = BEGIN.match(line), END.match(line)
         if begin and begin["id"].startswith(lesson + "."):

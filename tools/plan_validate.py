@@ -75,7 +75,9 @@ def main() -> None:
     for dp, pp, tp in LAYOUTS:
         row = planned_step(f.name, dp, pp, tp)
         runs = [measured_step(dp, pp, tp, args.steps, args.backend) for _ in range(args.repeats)]
-        planned, cpu, wall = row["seconds"], [r[0] for r in runs], [r[1] for r in runs]
+        planned = row["seconds"]
+        cpu = [r[0] for r in runs]
+        wall = [r[1] for r in runs]
         parts = row["parts"]
         ratio = f"{planned / max(cpu):.2f}-{planned / min(cpu):.2f}"
         print(

@@ -212,7 +212,11 @@ class RingAttention(torch.autograd.Function):
         )
         # lab 15.2 end
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.plan, ctx.m, ctx.scale, ctx.stats = comm, plan, m, scale, stats
+        ctx.comm = comm
+        ctx.plan = plan
+        ctx.m = m
+        ctx.scale = scale
+        ctx.stats = stats
         ctx.tags = TAGS[layout]
         return out
 
@@ -310,7 +314,9 @@ class ContextParallelSelfAttention(nn.Module):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads, self.cp_comm, self.layout = n_heads, cp_comm, layout
+        self.n_heads = n_heads
+        self.cp_comm = cp_comm
+        self.layout = layout
         self.qkv = nn.Linear(d_model, 3 * d_model, dtype=dtype)
         self.proj = nn.Linear(d_model, d_model, dtype=dtype)
         gen, bound = torch.Generator().manual_seed(seed), 1.0 / math.sqrt(d_model)

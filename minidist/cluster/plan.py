@@ -222,7 +222,10 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
 def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
     """Bytes one layer keeps for backward per microbatch without full recompute (Korthikanti et
     al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout)."""
-    x, h, s, a = layout, shape.hidden, shape.seq, shape.heads
+    x = layout
+    h = shape.hidden
+    s = shape.seq
+    a = shape.heads
     t, sbh = x.tp, s * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
     drop = 2 if shape.dropout else 0
     scores = 5 if shape.dropout else 2
@@ -251,7 +254,9 @@ def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
     quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), out (h/t -> h),
     up (h -> f/t, twice if gated), down (f/t -> h). step() applies it to all of a stage's
     FLOPs (the logits and attention scores are large products too: a simplification)."""
-    h, t, f = shape.hidden, layout.tp, shape.ffn
+    h = shape.hidden
+    t = layout.tp
+    f = shape.ffn
     kv = h * (shape.kv_heads or shape.heads) // shape.heads
     up = f * (2 if shape.glu else 1)
     products = [(h, (h + 2 * kv) // t), (h // t, h), (h, up // t), (f // t, h)]
@@ -284,7 +289,9 @@ def step(
     is a roofline's two sides: the FLOPs at peak x efficiency x matmul_share, the rest of the work
     (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
     (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model)."""
-    x, h, s = layout, shape.hidden, shape.seq
+    x = layout
+    h = shape.hidden
+    s = shape.seq
     m = x.microbatches(batch)
     layers = stage_layers(shape, x)
     rate = cluster.gpu.peak_flops * eff.compute * matmul_share(shape, x, cluster.gpu)
@@ -333,7 +340,9 @@ def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float
          each 1/tp of the activation with scatter (then the m (2v - 1) it receives are each
          all-gathered on the tp links: (tp-1)/tp of an activation sent)
     dp   step()'s rounds of all-reduces of e psi bytes"""
-    x, m, act = layout, layout.microbatches(batch), e * shape.seq * layout.b * shape.hidden
+    x = layout
+    m = layout.microbatches(batch)
+    act = e * shape.seq * layout.b * shape.hidden
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731
     layers = stage_layers(shape, x)
     ends = 2 if x.pp == 1 else 1

@@ -71,7 +71,9 @@ def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be at least 1")
     # lab 04.1 begin: walk nbytes in order, close a bucket once it holds >= bucket_bytes
-    buckets, current, filled = [], [], 0
+    buckets = []
+    current = []
+    filled = 0
     for i, n in enumerate(nbytes):
         current.append(i)
         filled += n

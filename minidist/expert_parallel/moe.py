@@ -121,7 +121,9 @@ class Router(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(n_experts, d, generator=gen, dtype=dtype) / math.sqrt(d)
         self.weight = nn.Parameter(weight)  # (E, D)
-        self.k, self.capacity_factor, self.alpha = k, capacity_factor, alpha
+        self.k = k
+        self.capacity_factor = capacity_factor
+        self.alpha = alpha
 
     def forward(self, x: torch.Tensor) -> Routing:
         """The routing of a group x: (n, D). k = 1 weighs the output by the chosen expert's
@@ -253,7 +255,9 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(d, d_ff, seed, e, dtype) for e in mine)
 
     def forward(self, x: torch.Tensor):
-        p, n_local, comm = self.comm.world_size, self.n_local, self.comm
+        p = self.comm.world_size
+        n_local = self.n_local
+        comm = self.comm
         routing = self.router(x)  # sorted by expert, so by destination rank too
         # lab 14.3 begin: exchange the counts per expert, dispatch the rows, run, send them back
         blocks = [n_local] * p

@@ -97,7 +97,9 @@ class LossScaler:
             )
         self.scale, self.clean_steps = float(init_scale), 0
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.dynamic, self.min_scale = growth_interval, dynamic, min_scale
+        self.growth_interval = growth_interval
+        self.dynamic = dynamic
+        self.min_scale = min_scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """scale * loss, in float32 at least (a float16 loss times 2^16 would overflow)."""
@@ -194,7 +196,9 @@ class MixedPrecisionOptimizer:
                     dp_comm.broadcast(t.data, 0)
         self.master = master_copy(self.params, precision.master)
         model.to(precision.compute)
-        self.precision, self.dp_comm, self.reduce_gradients = precision, dp_comm, reduce_gradients
+        self.precision = precision
+        self.dp_comm = dp_comm
+        self.reduce_gradients = reduce_gradients
         self.overflow_comm = dp_comm if overflow_comm is None else overflow_comm
         self.scaler = scaler or LossScaler(1.0, dynamic=False)
         self.optimizer = make_optimizer(self.master)

@@ -45,7 +45,9 @@ def draw_timeline(timeline: Timeline | Rows, path: str, title: str) -> None:
 
 def _schedule_command(args: argparse.Namespace, sch=schedules) -> int:
     """Print (or draw) a schedule, its simulated bubbles beside the formula, and peak memory."""
-    name, p, m = args.schedule, args.stages, args.microbatches
+    name = args.schedule
+    p = args.stages
+    m = args.microbatches
     v = (args.chunks or 2) if name == "interleaved" else 1  # cli.py refuses --chunks otherwise
     try:
         programs = sch.build_schedules(name, p, m, v)

@@ -118,7 +118,9 @@ def schedule_interleaved(n_stages: int, n_microbatches: int, stage: int, n_chunk
     (Megatron paper, section 2.2): raises ValueError otherwise.
     """
     _check_sizes(n_stages, n_microbatches, stage)
-    p, m, v = n_stages, n_microbatches, n_chunks
+    p = n_stages
+    m = n_microbatches
+    v = n_chunks
     assert v >= 1, f"{n_chunks=} must be >= 1"
     if m % p:
         raise ValueError(f"interleaved 1F1B: n_microbatches={m} is not a multiple of n_stages={p}")
@@ -230,7 +232,10 @@ def simulate(
     (buffered, like isend) complete at once and a receive waits for its send."""
     cost_w = cost_b / 2 if cost_w is None else cost_w
     cost = dict(zip(COMPUTE, (cost_f, cost_b, cost_b - cost_w, cost_w), strict=True))
-    n, timeline, sent, moved = len(schedules), [[] for _ in schedules], {}, True
+    n = len(schedules)
+    timeline = [[] for _ in schedules]
+    sent = {}
+    moved = True
     pc, clock = [0] * n, [0.0] * n
 
     def at(s: int) -> Op | None:  # the op stage s waits at, None once it is done

@@ -73,7 +73,10 @@ def _label(op: Op, n_chunks: int) -> str:
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 MAX_DIMS = 6
-HEADER, ACT, GRAD = 0, 1, 2  # the kinds of message, part of each tag
+# the kinds of message, part of each tag
+HEADER = 0
+ACT = 1
+GRAD = 2
 
 
 def message_tag(microbatch: int, boundary: int, kind: int, n_virtual: int) -> int:
@@ -132,7 +135,9 @@ class PipelineStage:
     ):
         one = isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList)
         self.chunks = [chunks] if one else list(chunks)
-        self.comm, self.loss_fn, self.tracer = comm, loss_fn, tracer
+        self.comm = comm
+        self.loss_fn = loss_fn
+        self.tracer = tracer
         self.on_backward = on_backward  # after each op that adds weight gradients (ZeRO-2/3)
         self.p, self.v = comm.world_size, len(self.chunks)
         params = [q for chunk in self.chunks for q in chunk.parameters()]
@@ -208,7 +213,9 @@ class PipelineStage:
     # ---- compute ---------------------------------------------------------------------------
 
     def forward(self, op: Op) -> None:
-        i, c, step = op.microbatch, op.chunk, self.step
+        i = op.microbatch
+        c = op.chunk
+        step = self.step
         x = step.inputs[i] if self._virtual(c) == 0 else step.acts.pop((i, c))
         with self.memory.counting((i, c)):
             graphs = run_layer_by_layer(self.chunks[c], x) if self.split else None
@@ -262,7 +269,9 @@ class PipelineStage:
     # ---- communication ---------------------------------------------------------------------
 
     def recv_act(self, op: Op) -> None:
-        i, c, rank = op.microbatch, op.chunk, self.comm.rank
+        i = op.microbatch
+        c = op.chunk
+        rank = self.comm.rank
         src, boundary = peer(op, rank, self.p)[0], self._virtual(c) - 1
         if i == 0:  # microbatch 0 brings the shape of the chunk's messages this step
             h = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
@@ -277,11 +286,9 @@ class PipelineStage:
 
     def send_act(self, op: Op) -> None:
         i, c = op.microbatch, op.chunk
-        y, dst, boundary = (
-            self.step.outs.pop((i, c)),
-            peer(op, self.comm.rank, self.p)[0],
-            self._virtual(c),
-        )
+        y = self.step.outs.pop((i, c))
+        dst = peer(op, self.comm.rank, self.p)[0]
+        boundary = self._virtual(c)
         if i == 0:
             self.step.shapes_out[c] = (tuple(y.shape), y.dtype)
             self._isend(header(y), dst, self._tag(i, boundary, HEADER))

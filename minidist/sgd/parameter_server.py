@@ -66,7 +66,11 @@ import torch
 
 from minidist.comm.protocol import CommError, PeerFailed
 
-PULL, PUSH, LAST, LEAVE = 0, 1, 2, 3  # the kinds of request a worker sends
+# the kinds of request a worker sends
+PULL = 0
+PUSH = 1
+LAST = 2
+LEAVE = 3
 HEADER, DATA = 81, 82  # tags: every header travels on HEADER, every tensor payload on DATA
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 
@@ -151,7 +155,10 @@ class _Server:
             raise ValueError(f"on_lost={on_lost!r} is not 'continue' or 'raise'")
         if staleness is not None and staleness < 0:
             raise ValueError(f"staleness={staleness} must be >= 0 (or None: unbounded)")
-        self.comm, self.w, self.lr, self.s = comm, w, lr, staleness
+        self.comm = comm
+        self.w = w
+        self.lr = lr
+        self.s = staleness
         self.timeout = comm.timeout if worker_timeout is None else worker_timeout
         self.on_lost, self.trace_every = on_lost, trace_every
         self.version = 0

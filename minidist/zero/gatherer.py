@@ -73,7 +73,9 @@ class Gatherer:
     (zero.ZeRO3) frees a unit once all its gradients are in, and calls publish after each step."""
 
     def __init__(self, module: nn.Module, modules: list, order: list, launcher, prefetch: bool):
-        self.order, self.launcher, self.prefetch = order, launcher, prefetch
+        self.order = order
+        self.launcher = launcher
+        self.prefetch = prefetch
         paths = {id(m): n for n, m in module.named_modules()}
         names = {id(q): n for n, q in module.named_parameters()}
         for i, (m, unit) in enumerate(zip(modules, order, strict=True)):

@@ -186,7 +186,9 @@ class ZeRO1(nn.Module):
         self.optimizer, self.group_of = make_optimizer(  # over this rank's pieces
             module, self.units, optimizer, optimizer_kwargs, param_groups
         )
-        self.next_launch, self.in_flight, self.pending = 0, [], False
+        self.next_launch = 0
+        self.in_flight = []
+        self.pending = False
         for q in trainable:
             # fires once per backward, after q.grad holds this backward's full gradient
             q.register_post_accumulate_grad_hook(self._on_grad)
@@ -253,7 +255,9 @@ class ZeRO1(nn.Module):
                 view = unit.grad_shard[piece.at : piece.at + t.numel()]
                 t.grad = view if unit.has_grad[piece.index] else None
             unit.ready = [False] * n
-        self.next_launch, self.in_flight, self.pending = 0, [], False
+        self.next_launch = 0
+        self.in_flight = []
+        self.pending = False
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global 2-norm is at most max_norm; return the norm.

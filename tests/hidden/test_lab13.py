@@ -17,7 +17,10 @@ import pytest
 from minidist.testing import impl
 
 pytestmark = pytest.mark.pure
-A_IN, B_IN, A_OUT, B_OUT = 1e-6, 100e9, 5e-6, 10e9
+A_IN = 1e-6
+B_IN = 100e9
+A_OUT = 5e-6
+B_OUT = 10e9
 
 
 def cluster(g: int):

@@ -53,7 +53,9 @@ def test_14_2_switch_aux_loss_value_and_gradient_for_other_shapes(dtype):
     gradient); an empty group pays 0, still connected to the router."""
     ep = impl("expert_parallel.moe")
     gen = torch.Generator().manual_seed(15)
-    n, n_experts, alpha = 7, 5, 0.3
+    n = 7
+    n_experts = 5
+    alpha = 0.3
     probs = torch.softmax(torch.randn(n, n_experts, generator=gen, dtype=dtype), -1)
     probs.requires_grad_()
     first = torch.tensor([3, 0, 1, 2, 1])  # counts, int64
@@ -78,7 +80,10 @@ def collapsed(comm) -> None:
     large router weight): the layer still equals MoE on each group, dx and that expert's
     gradient included; the other experts get no rows."""
     ep = impl("expert_parallel.moe")
-    p, r, d, n = comm.world_size, comm.rank, 3, 4
+    p = comm.world_size
+    r = comm.rank
+    d = 3
+    n = 4
     n_experts = 2 * p
     target = n_experts - 2  # the last rank's first expert
     gen = torch.Generator().manual_seed(7)
