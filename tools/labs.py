@@ -12,10 +12,10 @@ The command line only: the imports point one way, from here to the verbs' module
 each of them to labs_cut.py (the markers, the lab cut from a module, generate and check).
 `grade` (labs_grade.py) points MINIDIST_IMPL_<NAME>, which `minidist.testing.impl()` reads, at
 the learner's file and runs the lesson's tests: the very tests that check the reference; it
-refuses a file changed outside its markers. `unfilled` runs a few of those tests once per
-region, with only that region cut out, and fails unless each region makes them fail with its
-own "Lab NN.k" error; it also runs them on the lab with nothing cut out, which must pass.
-`export` is labs_export.py, `mutants` labs_mutants.py (instructor/grading.md).
+refuses a file changed outside its markers. `unfilled` (labs_unfilled.py) runs a few of those
+tests once per region, with only that region cut out, and fails unless each region makes them
+fail with its own "Lab NN.k" error; it also runs them on the lab with nothing cut out, which
+must pass. `export` is labs_export.py, `mutants` labs_mutants.py (instructor/grading.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 
 import labs_export
 import labs_grade
+import labs_unfilled
 from labs_cut import ROOT, LabError, generate, stale
 from labs_table import LABS
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             path = args.out or (None if lessons else labs_mutants.REPORT)
             return labs_mutants.main(lessons, path)
         lessons = [lesson.zfill(2) for lesson in args.lessons] or list(LABS)
-        problems = [p for lesson in lessons for p in labs_grade.unfilled(lesson)]
+        problems = [p for lesson in lessons for p in labs_unfilled.unfilled(lesson)]
         print("\n".join(problems) or "every region is caught by its tests")
         return 1 if problems else 0
     except LabError as e:

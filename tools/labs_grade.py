@@ -28,10 +28,8 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 import labs_cut
@@ -240,7 +238,7 @@ def one_line(text: str, crash: str, task: str, limit: int = 220) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _clear_other_labs(lesson: str) -> None:
+def clear_other_labs(lesson: str) -> None:
     """Every module outside the lab is the reference: drop other labs' MINIDIST_IMPL_*."""
     mine = {labs_cut.env_var(lesson, k) for k in range(len(labs_cut.parts(lesson)))}
     for key in [k for k in os.environ if k.startswith("MINIDIST_IMPL_") and k not in mine]:
@@ -254,7 +252,7 @@ def run_tests(
     (one per part of the lab: lab.py, then lab_train.py, ...); only: these test functions."""
     import pytest
 
-    _clear_other_labs(lesson)
+    clear_other_labs(lesson)
     for part, path in enumerate(paths):
         os.environ[labs_cut.env_var(lesson, part)] = path
     os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
@@ -477,59 +475,3 @@ def status() -> str:
                 graded += " (file changed since)"
         lines.append(f"{lesson:<4} {shown:<40} {left_text:<16} {graded}")
     return "\n".join(lines)
-
-
-def _probe(lesson: str, cut: set[str]) -> Outcomes:
-    """Run the lesson's probe tests, in this process, against a lab with `cut` regions cut."""
-    import pytest
-
-    folder = tempfile.mkdtemp(prefix="minidist-lab-")  # removed when the probe has run
-    _clear_other_labs(lesson)
-    for part, lab in enumerate(labs_cut.parts(lesson)):
-        path = os.path.join(folder, lab["lab"])
-        with open(path, "w") as f:
-            f.write(labs_cut.fresh(lesson, cut, part))
-        os.environ[labs_cut.env_var(lesson, part)] = path
-    # a deliberately broken lab: derandomized, no shrinking (tests/conftest.py), short waits
-    os.environ.update({"MINIDIST_HYPOTHESIS": "grade", "MINIDIST_TIMEOUT": TIMEOUT})
-    for key in [k for k in sys.modules if k.startswith("minidist_lab_")]:
-        del sys.modules[key]  # impl() caches the lab it loaded: load this one
-    outcomes = Outcomes()
-    quiet = ["-p", "no:cacheprovider", "-p", "no:terminal", "-o", "addopts="]
-    args = [*LABS[lesson]["probe"], "-x", *quiet]
-    old = os.getcwd()
-    os.chdir(labs_cut.ROOT)
-    try:
-        pytest.main([*args, "-W", "ignore::pytest.PytestAssertRewriteWarning"], [outcomes])
-    finally:
-        os.chdir(old)
-        for part in range(len(labs_cut.parts(lesson))):
-            del os.environ[labs_cut.env_var(lesson, part)]
-        shutil.rmtree(folder, ignore_errors=True)
-    return outcomes
-
-
-def unfilled(lesson: str) -> list[str]:
-    """Check the probe tests pass on the filled lab and fail on each cut region; the problems."""
-    ids = []
-    for lab in labs_cut.parts(lesson):
-        module = open(os.path.join(labs_cut.ROOT, lab["module"])).read()
-        ids += [r[0] for r in labs_cut.regions(module) if r[0].startswith(lesson + ".")]
-    ids.sort()
-    problems = []
-    start = time.monotonic()
-    filled = _probe(lesson, set())
-    texts = [t for k, t in filled.failure.items() if not k.endswith(":crash")]
-    if texts or not filled.ran:
-        why = texts[0][-1500:] if texts else "no test ran"
-        problems.append(f"lab {lesson} with every region filled should pass the probe: {why}")
-    print(f"lab {lesson} filled: {filled.ran} probe tests run ({time.monotonic() - start:.1f}s)")
-    for rid in ids:
-        start = time.monotonic()
-        outcome = _probe(lesson, {rid})
-        hit = any(f"Lab {rid}:" in text for text in outcome.failure.values())
-        verdict = "fails with its NotImplementedError" if hit else "NOT caught"
-        print(f"lab {rid} unfilled: {verdict} ({time.monotonic() - start:.1f}s)")
-        if not hit:
-            problems.append(f"lab {rid}: the probe tests do not fail with 'Lab {rid}:'")
-    return problems
