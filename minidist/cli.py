@@ -7,6 +7,7 @@ minidist bench allreduce|p2p -n 2 --backend mpi        nccl-tests style tables
 minidist bench dp|tp|pipeline|zero|sgd|batch|moe|cp ...   the techniques, measured
 minidist schedule --schedule 1f1b --stages 4 --microbatches 8   a pipeline schedule, drawn
 minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024   layouts, time, energy, cost
+minidist conform my_adapter.py --only collectives,dp   your own code, judged by minidist's tests
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def command_problems(args: argparse.Namespace) -> list[str]:
         world = args.dp * args.pp * args.tp * args.cp  # ep is carved out of dp
         found += world_problems("--dp x --pp x --tp x --cp", world, args.backend)
     if args.command == "bench" and not found and not numeric_problems(args):  # moe divides by n
-        found += _bench_module(args.what).problems(args)
+        found += _benches()[args.what].problems(args)
     if args.command == "schedule":
         if args.chunks is not None and args.schedule != "interleaved":
             found.append(
@@ -171,48 +172,35 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_run)
 
 
-def _bench_module(what: str):
-    """The module of `minidist bench what` (allreduce and p2p share one)."""
-    from minidist.collectives import bench as collectives
-    from minidist.context_parallel import bench as cp
-    from minidist.data_parallel import bench as dp
-    from minidist.expert_parallel import bench as moe
-    from minidist.large_batches import bench as batch
-    from minidist.pipeline import bench as pipeline
-    from minidist.sgd import bench as sgd
-    from minidist.tensor_parallel import bench as tp
-    from minidist.zero import bench as zero
+def _benches() -> dict:
+    """Every `minidist bench X`, by X; each benchmark keeps its flags and measurements beside
+    its technique, on the skeleton of minidist/bench.py."""
+    from minidist.collectives.bench import ALLREDUCE, P2P
+    from minidist.context_parallel.bench import CP
+    from minidist.data_parallel.bench import DP
+    from minidist.expert_parallel.bench import MOE
+    from minidist.large_batches.bench import BATCH
+    from minidist.pipeline.bench import PIPELINE
+    from minidist.sgd.bench import SGD
+    from minidist.tensor_parallel.bench import TP
+    from minidist.zero.bench import ZERO
 
-    modules = dict(dp=dp, tp=tp, pipeline=pipeline, zero=zero, sgd=sgd, batch=batch, moe=moe)
-    return dict(modules, cp=cp).get(what, collectives)
+    every = (ALLREDUCE, P2P, DP, TP, PIPELINE, ZERO, SGD, BATCH, MOE, CP)
+    return {bench.name: bench for bench in every}
 
 
 def _add_bench(sub) -> None:
-    # each benchmark keeps its flags beside it: the parent and every rank parse the same ones
-    from minidist.collectives import bench as collectives
-    from minidist.context_parallel import bench as cp
-    from minidist.data_parallel import bench as dp
-    from minidist.expert_parallel import bench as moe
-    from minidist.large_batches import bench as batch
-    from minidist.pipeline import bench as pipeline
-    from minidist.sgd import bench as sgd
-    from minidist.tensor_parallel import bench as tp
-    from minidist.zero import bench as zero
-
     p = sub.add_parser("bench", help="measure: collectives and every technique")
     kinds = p.add_subparsers(dest="what", required=True)
-    for what, about in (("allreduce", "all-reduce: hand-written vs library"), ("p2p", "ping-pong")):
-        q = kinds.add_parser(what, help=f"nccl-tests style table, {about}")
-        collectives.add_arguments(q, what=False)
-        q.set_defaults(func=collectives.main, what=what)
-    for module in (dp, tp, pipeline, zero, sgd, batch, moe, cp):
-        module.add_parser(kinds)
+    for bench in _benches().values():
+        bench.add_parser(kinds)
 
 
 def build_parser() -> Parser:
     """The whole command: every subcommand and its flags."""
     # the main job and the planner import every technique, so only here, when a command is parsed
     from minidist.cluster import cli as plan_cli
+    from minidist.conform import command as conform_command
     from minidist.gpt import cli as train_cli
     from minidist.gpt import sample
 
@@ -224,6 +212,7 @@ def build_parser() -> Parser:
     sample.add_parser(sub)
     add_schedule_command(sub)
     plan_cli.add_parser(sub)
+    conform_command.add_parser(sub)
     return parser
 
 

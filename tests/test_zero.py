@@ -874,7 +874,7 @@ def test_bench_zero_json_matches_the_formulas(capsys):
     from minidist.zero import bench as bench_zero
 
     parser = argparse.ArgumentParser()
-    bench_zero.add_parser(parser.add_subparsers())  # as `minidist bench` adds it
+    bench_zero.ZERO.add_parser(parser.add_subparsers())  # as `minidist bench` adds it
     argv = "zero -n 2 --backend threads --layers 2 --width 8 --steps 1 --json".split()
     args = parser.parse_args(argv)
     assert args.func(args) == 0

@@ -27,15 +27,12 @@ launches the ranks; rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 
 import torch
 
+from minidist.bench import Bench, device_of, rank_main, time_columns, time_it
 from minidist.collectives import algorithms as collectives
-from minidist.launch.launcher import init, start_ranks
 
 ALGORITHMS = ("raw", "library", "naive", "recursive_doubling", "ring", "auto")
 _SHORT = {"recursive_doubling": "rec-dbl"}
@@ -84,30 +81,6 @@ def raw_library(comm):
     return None
 
 
-def device_of(comm) -> torch.device:
-    """Where the benchmark's tensors live: comm's device (CUDA on nccl), else the CPU."""
-    return getattr(comm, "device", torch.device("cpu"))
-
-
-def time_it(comm, fn, fill, iters: int, warmup: int) -> float:
-    """Median seconds of fn() over iters timed calls on this rank, the slowest rank's."""
-    cuda = device_of(comm).type == "cuda"
-    for _ in range(warmup):
-        fill()
-        fn()
-    times = []
-    for _ in range(iters):
-        fill()
-        comm.barrier()  # start together: otherwise one rank's wait for the other is timed
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()  # a CUDA collective returns when queued, not when done
-        times.append(time.perf_counter() - t0)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    return comm.all_reduce(worst, "max").item()
-
-
 def bench_allreduce(comm, byte_sizes: list[int], iters: int | None) -> list[dict]:
     """One row per size: {nbytes, <algorithm>: {time_us, algbw, busbw} (raw: None on threads),
     best, ratio, ratio_vs}."""
@@ -130,17 +103,18 @@ def _allreduce_row(comm, nbytes: int, iters: int) -> dict:
         x.fill_(1.0 + comm.rank)  # fresh data each iteration
 
     row: dict = {"nbytes": nbytes}
-    for name, call in calls.items():
-        if call is None:
-            row[name] = None
-            continue
-        seconds = time_it(comm, call, fill, iters, warmup=max(2, iters // 10))
-        algbw = nbytes / seconds / 1e9
-        row[name] = {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p}
+    for name, seconds in time_columns(comm, calls, iters, max(2, iters // 10), fill).items():
+        row[name] = None if seconds is None else _bandwidths(nbytes, seconds, p)
     best = min(ALGORITHMS[2:], key=lambda a: row[a]["time_us"])
     row["best"], row["ratio_vs"] = best, "raw" if raw else "library"
     row["ratio"] = row[row["ratio_vs"]]["time_us"] / row[best]["time_us"]
     return row
+
+
+def _bandwidths(nbytes: int, seconds: float, p: int) -> dict:
+    """{time_us, algbw, busbw} of one all-reduce of nbytes that took seconds on p ranks."""
+    algbw = nbytes / seconds / 1e9
+    return {"time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p}
 
 
 def bench_p2p(comm, byte_sizes: list[int], iters: int | None) -> list[dict]:
@@ -173,7 +147,7 @@ def _one_way(comm, send, recv, x: torch.Tensor, iters: int) -> dict:
             recv(x, 0)
             send(x, 0)
 
-    one_way = time_it(comm, ping_pong, lambda: None, iters, warmup=max(2, iters // 10)) / 2
+    one_way = time_it(comm, ping_pong, iters, max(2, iters // 10)) / 2
     return {"time_us": one_way * 1e6, "bw": x.numel() * 4 / one_way / 1e9}
 
 
@@ -211,17 +185,11 @@ def format_p2p(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser, what: bool = True) -> None:
-    """The flags of `minidist bench allreduce|p2p` (the parent and every rank parse the same
-    ones; the parent's `what` comes from its subcommand)."""
-    if what:
-        p.add_argument("what", choices=("allreduce", "p2p"))
-    p.add_argument("-n", type=int, default=2, help="number of ranks")
-    p.add_argument("--backend", choices=("mpi", "gloo", "nccl", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `minidist bench allreduce|p2p` beyond -n and --backend."""
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"))
     p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"))
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -229,8 +197,6 @@ def problems(args: argparse.Namespace) -> list[str]:
     every number is already in its range). A rank holds its tensor and the ring's temporaries,
     about 3 x --max-bytes: all ranks together must fit in the memory free now."""
     found = []
-    if args.what == "p2p" and args.n < 2:
-        found.append(f"-n {args.n}: bench p2p needs at least 2 ranks")
     if args.min_bytes > args.max_bytes:
         found.append(f"--min-bytes {args.min_bytes} is more than --max-bytes {args.max_bytes}")
     free = _free_bytes()
@@ -252,33 +218,51 @@ def _free_bytes() -> int | None:
     return int(found[0]) * 1024 if found else None
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    argv = [args.what, "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes)]
-    argv += ["--iters", str(args.iters)] if args.iters else []
-    argv += ["--json"] if args.json else []
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench")
+def p2p_problems(args: argparse.Namespace) -> list[str]:
+    """problems(), and a ping-pong needs two ranks."""
+    found = [f"-n {args.n}: bench p2p needs at least 2 ranks"] if args.n < 2 else []
+    return found + problems(args)
 
 
-def rank_main(argv: list[str]) -> None:
-    """One rank: run the benchmark; rank 0 prints the table (or the JSON object)."""
-    parser = argparse.ArgumentParser(prog="minidist bench")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: a 4 MiB ring ran 0.63x raw on 2, 0.87x on 1
-    comm = init()
-    byte_sizes = sizes(args.min_bytes, args.max_bytes)
-    bench = bench_allreduce if args.what == "allreduce" else bench_p2p
-    rows = bench(comm, byte_sizes, args.iters)
-    if comm.rank != 0:
-        return
-    info = {"bench": args.what, "backend": comm.backend, "world_size": comm.world_size}
-    if args.json:
-        print(json.dumps(dict(info, dtype="float32", rows=rows)))
-        return
-    print(f"# minidist bench {args.what}: {comm.backend}, {comm.world_size} ranks, float32")
-    print(format_allreduce(rows) if args.what == "allreduce" else format_p2p(rows))
+def measure_allreduce(comm, args: argparse.Namespace) -> dict:
+    rows = bench_allreduce(comm, sizes(args.min_bytes, args.max_bytes), args.iters)
+    return _result(comm, "allreduce", rows)
+
+
+def measure_p2p(comm, args: argparse.Namespace) -> dict:
+    return _result(comm, "p2p", bench_p2p(comm, sizes(args.min_bytes, args.max_bytes), args.iters))
+
+
+def _result(comm, what: str, rows: list[dict]) -> dict:
+    """The object --json prints: which table, on what, and its rows."""
+    info = {"bench": what, "backend": comm.backend, "world_size": comm.world_size}
+    return dict(info, dtype="float32", rows=rows)
+
+
+def report(result: dict, args: argparse.Namespace) -> str:
+    what = result["bench"]
+    head = f"# minidist bench {what}: {result['backend']}, {result['world_size']} ranks, float32"
+    return head + "\n" + (format_allreduce if what == "allreduce" else format_p2p)(result["rows"])
+
+
+SHARED = dict(
+    module=__name__,
+    flags=flags,
+    report=report,
+    ranks_help="number of ranks",
+    backends=("mpi", "gloo", "nccl", "threads"),
+)
+ALLREDUCE = Bench(
+    "allreduce",
+    "nccl-tests style table, all-reduce: hand-written vs library",
+    measure=measure_allreduce,
+    problems=problems,
+    **SHARED,
+)
+P2P = Bench(
+    "p2p", "nccl-tests style table, ping-pong", measure=measure_p2p, problems=p2p_problems, **SHARED
+)
 
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], ALLREDUCE, P2P)

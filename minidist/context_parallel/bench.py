@@ -28,7 +28,6 @@ Times are noisy on a shared machine (compare within one run); bytes and memory a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,10 +35,9 @@ import time
 
 import torch
 
-from minidist.collectives.bench import time_it
+from minidist.bench import Bench, gather_over_ranks, max_over_ranks, rank_main, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.context_parallel import ring_attention as context_parallel
-from minidist.launch.launcher import init, start_ranks
 from minidist.memory import LiveTensorMeter, SavedTensorMeter
 
 
@@ -119,16 +117,16 @@ def ring_row(comm, args, t: int, layout: str) -> dict:
     got = {"fwd": fwd, "bwd": bwd, "saved": kept, "kv": live.peak.get("kv", 0)}
     got["scores"] = live.peak.get("scores", 0)
     pairs = [context_parallel.causal_pairs(t, cp, i, layout) for i in range(cp)]
-    work = _gather(comm, stats["pairs"])
+    work = gather_over_ranks(comm, stats["pairs"])
     row = {
         "seq": t,
         "cp": cp,
         "layout": layout,
-        "step_ms": time_it(comm, step, lambda: None, args.steps, warmup=1) * 1e3,
+        "step_ms": time_it(comm, step, args.steps) * 1e3,
     }
-    row |= {key: _max(comm, value) for key, value in got.items()}
+    row |= {key: max_over_ranks(comm, value) for key, value in got.items()}
     row |= {f"{key}_formula": value for key, value in formula.items()}
-    row["exact"] = _max(comm, float(got != {key: formula[key] for key in got})) == 0
+    row["exact"] = max_over_ranks(comm, float(got != {key: formula[key] for key in got})) == 0
     row["work"] = max(work) / statistics.mean(work)
     row["work_formula"] = max(pairs) / (sum(pairs) / cp)
     return row
@@ -175,8 +173,9 @@ def full_attention(q, k, v) -> torch.Tensor:
     return torch.softmax(s.masked_fill(future, -math.inf), -1) @ v  # (B, H, T, d)
 
 
-def run(comm, args) -> list[dict]:
-    """Every T, then every cp that fits the world and divides T (2 cp), both layouts."""
+def run(comm, args) -> dict:
+    """Every T, then every cp that fits the world and divides T (2 cp), both layouts: the rows
+    as --json prints them (rank 0's has them all: it is in every group)."""
     rows = []
     for t in args.seq:
         if comm.rank == 0:
@@ -188,28 +187,18 @@ def run(comm, args) -> list[dict]:
                 if comm.rank < cp:
                     rows.append(ring_row(sub, args, t, layout))
                 comm.barrier()  # the others wait: a shared machine times best quiet
-    return rows
+    return {"bench": "cp", "backend": comm.backend, "rows": rows}
 
 
-def _max(comm, value: float) -> float:
-    return comm.all_reduce(torch.tensor([float(value)], dtype=torch.float64), "max").item()
-
-
-def _gather(comm, value: float) -> list[float]:
-    out = torch.empty(comm.world_size, dtype=torch.float64)
-    comm.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
-    return out.tolist()
-
-
-def report(rows: list[dict], args, backend: str) -> str:
+def report(result: dict, args) -> str:
     """One table: the measurements, each formula beside it (KiB), per T, cp and layout."""
     lines = [
-        f"# minidist bench cp: {backend}, B={args.batch} H={args.heads} d={args.head_dim}, "
-        "float32, KiB per rank (busiest rank), formula in ()",
+        f"# minidist bench cp: {result['backend']}, B={args.batch} H={args.heads} "
+        f"d={args.head_dim}, float32, KiB per rank (busiest rank), formula in ()",
         f"{'T':>6}{'cp':>4}{'layout':>8}{'step ms':>9}{'fwd':>18}{'bwd':>18}{'saved':>18}"
         f"{'k|v':>16}{'scores':>18}{'work':>12}  exact",
     ]
-    for r in rows:
+    for r in result["rows"]:
         cells = "".join(
             _pair(r, key, width)
             for key, width in (("fwd", 18), ("bwd", 18), ("saved", 18), ("kv", 16), ("scores", 18))
@@ -232,22 +221,12 @@ def _pair(row: dict, key: str, width: int) -> str:
     return f"{got if want is None else f'{got} ({want / 1024:.1f})':>{width}}"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=4, help="ranks (cp = 1, 2, 4, ... up to n)")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024], help="tokens T")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=24)
     p.add_argument("--steps", type=int, default=3, help="timed forward + backward per row")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead")
-
-
-def add_parser(sub) -> None:
-    """Add `cp` to the subcommands of `minidist bench`."""
-    p = sub.add_parser("cp", help="ring attention: time, bytes, memory vs T and cp")
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -261,29 +240,17 @@ def problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    argv = [
-        f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("batch", "heads", "head_dim", "steps")
-    ]
-    argv += ["--seq", *map(str, args.seq)] + (["--json"] if args.json else [])
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench cp")
-
-
-def rank_main(argv: list[str]) -> None:
-    """One rank: every row; rank 0 prints the table (or the JSON object)."""
-    parser = argparse.ArgumentParser(prog="minidist bench cp")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
-    comm = init()
-    rows = run(comm, args)
-    if comm.rank == 0 and args.json:
-        print(json.dumps({"bench": "cp", "backend": comm.backend, "rows": rows}))
-    elif comm.rank == 0:
-        print(report(rows, args, comm.backend))
-
+CP = Bench(
+    "cp",
+    "ring attention: time, bytes, memory vs T and cp",
+    __name__,
+    flags,
+    run,
+    report,
+    problems,
+    ranks=4,
+    ranks_help="ranks (cp = 1, 2, 4, ... up to n)",
+)
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], CP)

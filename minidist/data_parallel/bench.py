@@ -21,17 +21,14 @@ a barrier, the slowest rank's; measured side by side in one run on a shared mach
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
+from minidist.bench import Bench, rank_main, time_columns, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel.wrappers import DataParallelBucketed, DataParallelNaive
-from minidist.launch.launcher import init, start_ranks
 
 SWEEP = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -40,19 +37,6 @@ def mlp(layers: int, width: int) -> nn.Module:
     torch.manual_seed(0)  # plausible weights; the wrappers broadcast rank 0's anyway
     body = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())]
     return nn.Sequential(*body)
-
-
-def timed(comm, step, steps: int) -> float:
-    """Median seconds of step() after a warm-up, each started together; the slowest rank's."""
-    step()
-    times = []
-    for _ in range(steps):
-        comm.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    return comm.all_reduce(worst, "max").item()
 
 
 def train_step(model, x, finish=lambda: None):
@@ -66,28 +50,32 @@ def train_step(model, x, finish=lambda: None):
 
 
 def measure(comm, args) -> dict:
+    """Every column of the table (seconds), the overlap, the sweep and the bytes, as --json
+    prints them."""
     x = torch.randn(args.batch, args.width)  # (B, D): this rank's batch
     plain = mlp(args.layers, args.width)
-    row = {}
-    alone = train_step(plain, x)
-    row["one_process"] = timed(comm, alone if comm.rank == 0 else lambda: None, args.steps)
-    row["compute"] = timed(comm, train_step(plain, x), args.steps)
     flat = torch.cat([q.detach().reshape(-1) for q in plain.parameters()])
-    row["comm"] = timed(comm, lambda: comm.all_reduce(flat), args.steps)
     naive = DataParallelNaive(mlp(args.layers, args.width), comm)
-    row["naive"] = timed(comm, train_step(naive, x, naive.finish_gradient_sync), args.steps)
-    for algorithm in ("library", "ring"):
-        dp = DataParallelBucketed(mlp(args.layers, args.width), comm, args.bucket, algorithm)
-        row[f"bucketed_{algorithm}"] = timed(
-            comm, train_step(dp, x, dp.finish_gradient_sync), args.steps
-        )
+    bucketed = {
+        algorithm: DataParallelBucketed(mlp(args.layers, args.width), comm, args.bucket, algorithm)
+        for algorithm in ("library", "ring")
+    }
+    steps = {
+        "one_process": train_step(plain, x) if comm.rank == 0 else lambda: None,
+        "compute": train_step(plain, x),
+        "comm": lambda: comm.all_reduce(flat),
+        "naive": train_step(naive, x, naive.finish_gradient_sync),
+    }
+    for algorithm, dp in bucketed.items():
+        steps[f"bucketed_{algorithm}"] = train_step(dp, x, dp.finish_gradient_sync)
+    row = time_columns(comm, steps, args.steps)
     hidden = row["compute"] + row["comm"] - row["bucketed_library"]
     row["overlap"] = max(0.0, min(1.0, hidden / row["comm"]))
     row["efficiency"] = row["one_process"] / row["bucketed_library"]
     row["sweep"] = {}
     for nbytes in SWEEP:
         dp = DataParallelBucketed(mlp(args.layers, args.width), comm, nbytes)
-        row["sweep"][nbytes] = timed(comm, train_step(dp, x, dp.finish_gradient_sync), args.steps)
+        row["sweep"][nbytes] = time_it(comm, train_step(dp, x, dp.finish_gradient_sync), args.steps)
         row.setdefault("buckets", {})[nbytes] = len(dp.buckets)
     row["bytes_per_step"], row["bytes_formula"] = ring_bytes(comm, args, x)
     return row
@@ -107,9 +95,9 @@ def ring_bytes(comm, args, x) -> tuple[int, float]:
     return counter.bytes_sent, 2 * (p - 1) / p * (n + n_params) * 4
 
 
-def report(row: dict, args, p: int) -> str:
+def report(row: dict, args) -> str:
     lines = [
-        f"data parallel, world {p} ({args.backend}), MLP {args.layers} x {args.width}, "
+        f"data parallel, world {args.n} ({args.backend}), MLP {args.layers} x {args.width}, "
         f"batch {args.batch} per rank, bucket {args.bucket >> 10} KiB, float32, 1 thread/rank",
         f"  one process       {_ms(row['one_process'])}",
         f"  compute (all)     {_ms(row['compute'])}",
@@ -127,52 +115,19 @@ def report(row: dict, args, p: int) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=2, help="ranks")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=32, help="rows per rank")
     p.add_argument("--bucket", type=int, default=1 << 20, help="bucket bytes")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--json", action="store_true")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("dp", help="data-parallel step times and overlap")
-    add_arguments(p)
-    p.set_defaults(func=main)
-
-
-def problems(args: argparse.Namespace) -> list[str]:
-    """Why these flags cannot run (the CLI asks every benchmark before starting ranks): every
-    size works once it is in its range, which the CLI checks for all flags."""
-    return []
-
-
-def main(args: argparse.Namespace) -> int:
-    argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
-    argv += ["--json"] if args.json else []
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench dp")
-
-
-_FORWARDED = ("backend", "layers", "width", "batch", "bucket", "steps")
-
-
-def rank_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
-    comm = init()
-    row = measure(comm, args)
-    if comm.rank == 0:
-        print(json.dumps(row) if args.json else report(row, args, comm.world_size))
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:9.2f} ms"
 
 
+DP = Bench("dp", "data-parallel step times and overlap", __name__, flags, measure, report)
+
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], DP)

@@ -33,18 +33,16 @@ read the hand / library ratio within one run). Bytes and the formulas are exact.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
 import torch
 
+from minidist.bench import Bench, all_ranks, max_over_ranks, rank_main, time_it
 from minidist.cluster import hardware as cluster
 from minidist.collectives import algorithms as collectives
-from minidist.collectives.bench import time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.expert_parallel import moe as expert_parallel
-from minidist.launch.launcher import init, start_ranks
 
 F32 = torch.float32  # the benchmark's dtype: b = 4 bytes in every formula
 
@@ -92,17 +90,20 @@ def dispatch_row(comm, n: int, args) -> dict:
     y, _ = collectives.all_to_all(x, send_counts, ObservedComm(comm, counter), recv_counts)
     formula = (x.shape[0] - send_counts[r]) * args.d_model * 4  # (N - n_rr) D b
     call = lambda: collectives.all_to_all(x, send_counts, comm, recv_counts)  # noqa: E731
-    hand = time_it(comm, call, lambda: None, args.iters, warmup=2)
+    hand = time_it(comm, call, args.iters, warmup=2)
     row = {"tokens": n, "rows": x.shape[0], "hand_us": hand * 1e6, "library_us": None}
-    row |= {"sent": _max(comm, counter.bytes_sent), "formula": _max(comm, formula)}
-    row["sent_ok"] = _all(comm, counter.bytes_sent == formula)
+    row |= {
+        "sent": max_over_ranks(comm, counter.bytes_sent),
+        "formula": max_over_ranks(comm, formula),
+    }
+    row["sent_ok"] = all_ranks(comm, counter.bytes_sent == formula)
     library, same = library_all_to_all(comm), True
     if library is not None:
         y_lib = torch.empty_like(y)
         call = lambda: library(x, y_lib, send_counts, recv_counts)  # noqa: E731
-        row["library_us"] = time_it(comm, call, lambda: None, args.iters, warmup=2) * 1e6
+        row["library_us"] = time_it(comm, call, args.iters, warmup=2) * 1e6
         same = torch.equal(y, y_lib)
-    row["same"] = _all(comm, same)
+    row["same"] = all_ranks(comm, same)
     return row
 
 
@@ -135,8 +136,12 @@ def step_bytes(comm, n: int, args) -> dict:
     y, aux = layer(x)
     (y.sum() + aux).backward()
     formula = expert_parallel.step_nbytes(int(m), int(m_in), args.d_model, 4, layer.n_local, p)
-    row = {"tokens": n, "sent": _max(comm, counter.bytes_sent), "formula": _max(comm, formula)}
-    return row | {"sent_ok": _all(comm, counter.bytes_sent == formula)}
+    row = {
+        "tokens": n,
+        "sent": max_over_ranks(comm, counter.bytes_sent),
+        "formula": max_over_ranks(comm, formula),
+    }
+    return row | {"sent_ok": all_ranks(comm, counter.bytes_sent == formula)}
 
 
 def uniform_drop(n: int, k: int, n_experts: int, cap: int) -> float:
@@ -186,15 +191,7 @@ def drop_row(comm, cf: float, args) -> dict:
     }
 
 
-def _max(comm, value: float) -> float:
-    return comm.all_reduce(torch.tensor([float(value)], dtype=torch.float64), "max").item()
-
-
-def _all(comm, ok: bool) -> bool:
-    return _max(comm, 0.0 if ok else 1.0) == 0.0
-
-
-def report(result: dict) -> str:
+def report(result: dict, args: argparse.Namespace) -> str:
     """Part 1's and part 2's tables, with the formulas beside the measurements."""
     cfg, p = result["config"], result["world_size"]
     lines = [
@@ -247,9 +244,7 @@ def drops_table(result: dict) -> list[str]:
     return lines
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=4, help="ranks (the ep group)")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096], help="per rank")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--experts", type=int, default=8)
@@ -257,14 +252,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cf", type=float, nargs="+", default=[0.5, 1.0, 1.25, 1.5, 2.0])
     p.add_argument("--trials", type=int, default=20, help="uniform groups per rank")
     p.add_argument("--iters", type=int, default=20, help="timed all-to-alls per row")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead")
-
-
-def add_parser(sub) -> None:
-    """Add `moe` to the subcommands of `minidist bench`."""
-    p = sub.add_parser("moe", help="MoE: all-to-all hand-written vs library; drops vs capacity")
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -274,30 +261,28 @@ def problems(args: argparse.Namespace) -> list[str]:
     return [f"--experts {args.experts} must be a multiple of -n {args.n} and at least --k {args.k}"]
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    keys = ("d_model", "experts", "k", "trials", "iters")
-    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
-    argv += ["--tokens", *map(str, args.tokens), "--cf", *map(str, args.cf)]
-    argv += ["--json"] if args.json else []
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench moe")
-
-
-def rank_main(argv: list[str]) -> None:
-    """One rank: both parts; rank 0 prints the tables (or the JSON object)."""
-    parser = argparse.ArgumentParser(prog="minidist bench moe")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
-    comm = init()
+def measure(comm, args: argparse.Namespace) -> dict:
+    """Both parts, as --json prints them."""
     rows = [dispatch_row(comm, n, args) for n in args.tokens]
     result = {"bench": "moe", "backend": comm.backend, "world_size": comm.world_size}
-    result |= {"config": {k: v for k, v in vars(args).items() if k != "json"}, "dispatch": rows}
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "result")}
+    result |= {"config": config, "dispatch": rows}
     result |= {"fit": fit(rows, comm.world_size), "step": step_bytes(comm, args.tokens[0], args)}
     result["drops"] = [drop_row(comm, cf, args) for cf in args.cf]
-    if comm.rank == 0:
-        print(json.dumps(result) if args.json else report(result))
+    return result
 
+
+MOE = Bench(
+    "moe",
+    "MoE: all-to-all hand-written vs library; drops vs capacity",
+    __name__,
+    flags,
+    measure,
+    report,
+    problems,
+    ranks=4,
+    ranks_help="ranks (the ep group)",
+)
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], MOE)

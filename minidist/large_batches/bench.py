@@ -27,7 +27,6 @@ ratios come from one run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -37,6 +36,7 @@ import time
 import torch
 from torch import nn
 
+from minidist.bench import Bench, rank_main
 from minidist.checkpointing.recompute import (
     CheckpointedSequential,
     SavedTensorMeter,
@@ -45,7 +45,6 @@ from minidist.checkpointing.recompute import (
 from minidist.data_parallel.wrappers import DataParallelBucketed, shard
 from minidist.large_batches.accumulation import train_step
 from minidist.large_batches.lr import WarmupDecay, scaled_lr
-from minidist.launch.launcher import init, start_ranks
 from minidist.mixed_precision.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer
 
 D_IN, CLASSES, WIDTH, DEPTH = 32, 8, 128, 4  # the student: 4 hidden layers of 128
@@ -259,9 +258,10 @@ def draw(rows: list[dict], floor: float, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(batch_rows: list[dict], floor: float, memory_rows: list[dict], args, p: int) -> str:
+def report(result: dict, args) -> str:
+    batch_rows, floor = result["large_batches"], result["floor"]
     lines = [
-        f"large batches: world {p} ({args.backend}), {args.samples} samples, k = {args.k}, "
+        f"large batches: world {args.n} ({args.backend}), {args.samples} samples, k = {args.k}, "
         f"base batch {args.base_batch}, base lr {args.base_lr}, SGD momentum 0.9, cosine decay; "
         f"loss floor (the labels' entropy) {floor:.4f}",
         f"  {'run':18} {'batch':>5} {'micro':>5} {'peak lr':>8} {'warm-up':>7} {'final loss':>10} "
@@ -278,18 +278,17 @@ def report(batch_rows: list[dict], floor: float, memory_rows: list[dict], args, 
         f"  {'dtype':5} {'ckpt':5} {'k':>2} {'activations':>11} {'predicted':>9} "
         f"{'model state':>11} {'16N/20N':>8} {'time':>8} {'overhead':>8} {'(t+F)/t':>8}",
     ]
-    for r in memory_rows:
+    for r in result["memory"]:
         lines.append(
             f"  {r['precision']:5} {r['policy']:5} {r['k']:2d} {_mib(r['peak']):>11} "
             f"{_mib(r['predicted']):>9} {_mib(r['state']):>11} {_mib(r['state_formula'])} "
             f"{r['time'] * 1e3:8.1f} {r['overhead']:8.2f} {r['overhead_formula']:8.2f}"
         )
+    lines.append(f"  curves -> {result['picture']}")
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=2, help="ranks")
-    p.add_argument("--backend", choices=("threads", "mpi", "gloo"), default="threads")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=8, help="large batch = k x base batch")
     p.add_argument("--base-batch", type=int, default=16)
     p.add_argument("--base-lr", type=float, default=0.06)
@@ -302,13 +301,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="memory: rows")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="out")
-    p.add_argument("--json", action="store_true")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("batch", help="large batches (LR scaling, warm-up) and memory tables")
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -336,41 +328,34 @@ def problems(args: argparse.Namespace) -> list[str]:
     return found
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module, handing on every flag but -n."""
-    own = argparse.ArgumentParser()
-    add_arguments(own)
-    keys = vars(own.parse_args([])).keys() - {"n", "json"}
-    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in sorted(keys)]
-    argv += ["--json"] if args.json else []
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench batch", timeout=1800)
-
-
-def rank_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="minidist bench batch")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
-    comm = init(timeout=900)  # the others wait at a barrier while rank 0 measures memory
+def measure(comm, args) -> dict | None:
+    """Both parts, and the curves drawn: rank 0's result, as --json prints it; None elsewhere."""
     batch_rows, floor = large_batches(comm, args)
     memory_rows = memory_table(args) if comm.rank == 0 else []
     comm.barrier()
     if comm.rank != 0:
-        return
+        return None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "batch_curves.png")
     draw(batch_rows, floor, path)
-    if args.json:
-        out = {"large_batches": batch_rows, "floor": floor, "memory": memory_rows, "picture": path}
-        print(json.dumps(out))
-    else:
-        print(report(batch_rows, floor, memory_rows, args, comm.world_size))
-        print(f"  curves -> {path}")
+    return {"large_batches": batch_rows, "floor": floor, "memory": memory_rows, "picture": path}
 
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f}"
 
 
+BATCH = Bench(
+    "batch",
+    "large batches (LR scaling, warm-up) and memory tables",
+    __name__,
+    flags,
+    measure,
+    report,
+    problems,
+    backends=("threads", "mpi", "gloo"),
+    wait=900,  # the others wait at a barrier while rank 0 measures memory
+)
+
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], BATCH)

@@ -27,7 +27,6 @@ steps, one warm-up step first. A shared, noisy machine: quote ratios from one ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,8 +35,8 @@ import time
 import torch
 from torch import nn
 
+from minidist.bench import Bench, rank_main
 from minidist.comm.wrappers import Tracer
-from minidist.launch.launcher import init, start_ranks
 from minidist.pipeline.partition import param_counts, partition, stage_chunks
 from minidist.pipeline.schedules import (
     NAMES,
@@ -135,23 +134,13 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `minidist bench pipeline` (the parent and every rank parse the same ones)."""
-    p.add_argument("-n", type=int, default=2, help="number of ranks = pipeline stages")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `minidist bench pipeline` beyond -n and --backend."""
     p.add_argument("--microbatches", default="1,2,4,8,16", help="values of m, comma-separated")
     p.add_argument("--width", type=int, default=512, help="features of every Linear layer")
     p.add_argument("--rows", type=int, default=64, help="samples per microbatch")
     p.add_argument("--layers-per-stage", type=int, default=4, help="Linear + tanh pairs")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead")
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add `pipeline` to `sub`, the subparsers of `minidist bench`."""
-    p = sub.add_parser("pipeline", help="measured pipeline bubble and activation memory")
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -163,22 +152,8 @@ def problems(args: argparse.Namespace) -> list[str]:
     return [f"--microbatches {args.microbatches}: counts of at least 1, comma-separated (1,2,4)"]
 
 
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    argv = ["--microbatches", args.microbatches, "--width", str(args.width), "--rows"]
-    argv += [str(args.rows), "--layers-per-stage", str(args.layers_per_stage)]
-    argv += ["--steps", str(args.steps)] + (["--json"] if args.json else [])
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench pipeline")
-
-
-def rank_main(argv: list[str]) -> None:
-    """One rank: every schedule and m; rank 0 prints the table (or the JSON object)."""
-    parser = argparse.ArgumentParser(prog="minidist bench pipeline")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    comm = init()
-    if comm.backend != "threads":
-        torch.set_num_threads(1)  # one core per rank, as the machine has them
+def run(comm, args: argparse.Namespace) -> dict:
+    """Every schedule and m: the rows, and what they ran on, as --json prints them."""
     p, cores = comm.world_size, os.cpu_count() or 1
     ms = [int(m) for m in args.microbatches.split(",")]
     rows = [
@@ -187,23 +162,37 @@ def rank_main(argv: list[str]) -> None:
         for m in ms
         if not (name == "interleaved" and m % p)  # interleaved needs m a multiple of p
     ]
-    if comm.rank != 0:
-        return
     info = dict(bench="pipeline", backend=comm.backend, world_size=p, cores=cores)
     info.update(width=args.width, rows_per_microbatch=args.rows, steps=args.steps)
-    if args.json:
-        print(json.dumps(dict(info, dtype="float32", rows=rows)))
-        return
-    layers = f"{args.layers_per_stage * p} x (Linear {args.width} + tanh)"
-    print(
-        f"# minidist bench pipeline: {comm.backend}, {p} stages on {cores} cores, float32, {layers}"
-    )
-    print(f"# {args.rows} rows per microbatch, medians of {args.steps} steps, times in ms;", end="")
-    print(" interleaved runs only m a multiple of p")
-    if p > cores:
-        print(f"# OVERSUBSCRIBED: {p} ranks share {cores} cores; waits for a core inflate bubbles")
-    print(format_rows(rows))
+    return dict(info, dtype="float32", rows=rows)
 
+
+def report(result: dict, args: argparse.Namespace) -> str:
+    p, cores = result["world_size"], result["cores"]
+    layers = f"{args.layers_per_stage * p} x (Linear {args.width} + tanh)"
+    lines = [
+        f"# minidist bench pipeline: {result['backend']}, {p} stages on {cores} cores, float32, "
+        f"{layers}",
+        f"# {args.rows} rows per microbatch, medians of {args.steps} steps, times in ms; "
+        "interleaved runs only m a multiple of p",
+    ]
+    if p > cores:
+        lines.append(
+            f"# OVERSUBSCRIBED: {p} ranks share {cores} cores; waits for a core inflate bubbles"
+        )
+    return "\n".join([*lines, format_rows(result["rows"])])
+
+
+PIPELINE = Bench(
+    "pipeline",
+    "measured pipeline bubble and activation memory",
+    __name__,
+    flags,
+    run,
+    report,
+    problems,
+    ranks_help="number of ranks = pipeline stages",
+)
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], PIPELINE)

@@ -32,14 +32,13 @@ the ratios within one run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
 
-from minidist.launch.launcher import init, start_ranks
+from minidist.bench import Bench, rank_main
 from minidist.sgd.variants import STRAGGLERS, VARIANTS, Config, least_squares, train
 
 
@@ -99,6 +98,7 @@ def summarize(run: dict, target: float) -> dict:
 
 
 def measure(comm, args) -> dict | None:
+    """On rank 0: every row, the ratios and the pictures, as --json prints them; None elsewhere."""
     n_workers = comm.world_size - 1
     problem = least_squares(n_workers, args.rows, args.d, args.batch, seed=0)
     target = args.target * problem.loss(torch.zeros(args.d, dtype=torch.float64))
@@ -127,7 +127,10 @@ def measure(comm, args) -> dict | None:
             row["predicted_rate"] = predicted_rate(variant, scenario, n_workers, args)
             out["rows"][key], out["curves"][key] = row, run["curve"]
             out["staleness"][key] = run["staleness"]
-    return out if comm.rank == 0 else None
+    if comm.rank != 0:
+        return None
+    pictures = draw(out, args.out)
+    return {"rows": out["rows"], "ratios": ratios(out["rows"]), "pictures": pictures}
 
 
 def ratios(rows: dict) -> dict:
@@ -142,7 +145,8 @@ def ratios(rows: dict) -> dict:
     return out
 
 
-def report(out: dict, args, n: int) -> str:
+def report(out: dict, args) -> str:
+    n = args.n
     lines = [
         f"sync vs async SGD, world {n} ({args.backend}): 1 server (or idle) + {n - 1} workers, "
         f"{args.steps} gradients each, compute {args.compute * 1e3:g} ms, fixed straggler "
@@ -199,9 +203,7 @@ def draw(out: dict, folder: str) -> list[str]:
     return [loss_png, stale_png]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=4, help="ranks: 1 server + n-1 workers")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=80, help="gradients per worker")
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--staleness", type=int, default=4, help="ssp bound s")
@@ -215,31 +217,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--target", type=float, default=1e-6, help="target loss / initial loss")
     p.add_argument("--out", default="out", help="folder for the pictures")
-    p.add_argument("--json", action="store_true")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("sgd", help="sync, async, bounded-staleness and local SGD, stragglers")
-    add_arguments(p)
-    p.set_defaults(func=main)
-
-
-_FORWARDED = (
-    "backend",
-    "steps",
-    "lr",
-    "staleness",
-    "k",
-    "compute",
-    "delay",
-    "spike",
-    "chance",
-    "rows",
-    "d",
-    "batch",
-    "target",
-    "out",
-)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -255,32 +232,22 @@ def problems(args: argparse.Namespace) -> list[str]:
     return found
 
 
-def main(args: argparse.Namespace) -> int:
-    argv = [f"--{k}={v}" for k, v in vars(args).items() if k in _FORWARDED]
-    argv += ["--json"] if args.json else []
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench sgd")
-
-
-def rank_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
-    comm = init()
-    out = measure(comm, args)
-    if comm.rank == 0:
-        out["ratios"] = ratios(out["rows"])
-        out["pictures"] = draw(out, args.out)
-        if args.json:
-            print(json.dumps({k: out[k] for k in ("rows", "ratios", "pictures")}))
-        else:
-            print(report(out, args, comm.world_size))
-
-
 def _or_dash(x, spec: str) -> str:
     """x formatted by spec; '-' where there is no value."""
     return "-" if x is None else format(x, spec)
 
 
+SGD = Bench(
+    "sgd",
+    "sync, async, bounded-staleness and local SGD, stragglers",
+    __name__,
+    flags,
+    measure,
+    report,
+    problems,
+    ranks=4,
+    ranks_help="ranks: 1 server + n-1 workers",
+)
+
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], SGD)

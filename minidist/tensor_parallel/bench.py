@@ -27,15 +27,12 @@ bytes and the memory are exact, the times are noisy (a shared machine).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 
 import torch
 
+from minidist.bench import Bench, rank_main, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
-from minidist.launch.launcher import init, start_ranks
 from minidist.tensor_parallel.blocks import (
     ParallelTransformerBlock,
     activation_elements,
@@ -47,19 +44,6 @@ WIRE = {
     "all_gather": lambda n, p: (p - 1) * n,
     "reduce_scatter": lambda n, p: (p - 1) / p * n,
 }
-
-
-def timed(comm, step, steps: int) -> float:
-    """Median seconds of step() after a warm-up, each started together; the slowest rank's."""
-    step()
-    times = []
-    for _ in range(steps):
-        comm.barrier()  # start together: otherwise one rank's wait for the others is timed
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    return comm.all_reduce(worst, "max").item()
 
 
 def formula_nbytes(args, p: int, sp: bool) -> tuple[int, int]:
@@ -100,7 +84,7 @@ def measure(tp_comm, args, sp: bool) -> dict:
     return {
         "tp": p,
         "sp": sp,
-        "step_ms": timed(tp_comm, step, args.steps) * 1e3,
+        "step_ms": time_it(tp_comm, step, args.steps) * 1e3,
         "fwd_bytes": sum(forward.values()),
         "bwd_bytes": sum(backward.values()),
         "formula_bytes": formula_nbytes(args, p, sp),
@@ -111,8 +95,9 @@ def measure(tp_comm, args, sp: bool) -> dict:
     }
 
 
-def run(comm, args) -> list[dict]:
-    """Every tp size that fits the world and divides heads and T; rows in order."""
+def run(comm, args) -> dict:
+    """Every tp size that fits the world and divides heads and T: the rows in order, as --json
+    prints them (rank 0's has them all: it is in every group)."""
     rows = []
     sizes = [k for k in (1, 2, 4, 8, 16) if k <= comm.world_size]
     sizes = [k for k in sizes if args.heads % k == 0 and args.seq % k == 0]
@@ -122,13 +107,14 @@ def run(comm, args) -> list[dict]:
             if comm.rank < k:
                 rows.append(measure(sub, args, sp))
             comm.barrier()  # the others wait: a shared machine times best quiet
-    return rows
+    return {"bench": "tp", "backend": comm.backend, "rows": rows}
 
 
-def report(rows: list[dict], args, backend: str) -> str:
+def report(result: dict, args) -> str:
+    rows = result["rows"]
     base = rows[0]
     lines = [
-        f"tensor-parallel block, {backend}, B={args.batch} T={args.seq} D={args.d_model} "
+        f"tensor-parallel block, {result['backend']}, B={args.batch} T={args.seq} D={args.d_model} "
         f"H={args.heads} d_ff={4 * args.d_model}, float32, 1 thread/rank (MiB per step)",
         f"{'tp':>3} {'sp':>3} {'step ms':>9} {'speedup':>8} {'fwd':>8} {'formula':>8} "
         f"{'bwd':>8} {'formula':>8} {'ring/rank':>9} {'act':>8} {'formula':>8} {'act/tp1':>8}",
@@ -146,21 +132,12 @@ def report(rows: list[dict], args, backend: str) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=4, help="ranks (tp = 1, 2, 4, ... up to n)")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--json", action="store_true")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("tp", help="tensor-parallel block: time, bytes, activation memory")
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 def problems(args: argparse.Namespace) -> list[str]:
@@ -171,32 +148,21 @@ def problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
-_FORWARDED = ("backend", "batch", "seq", "d_model", "heads", "steps")
-
-
-def main(args: argparse.Namespace) -> int:
-    """The parent: start args.n ranks of this module on args.backend and wait for them."""
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in _FORWARDED]
-    argv += ["--json"] if args.json else []
-    return start_ranks(__name__, argv, args.n, args.backend, "minidist bench tp")
-
-
-def rank_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="minidist bench tp")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine
-    comm = init()
-    rows = run(comm, args)
-    if comm.rank == 0 and args.json:
-        print(json.dumps({"bench": "tp", "backend": comm.backend, "rows": rows}))
-    elif comm.rank == 0:
-        print(report(rows, args, comm.backend))
-
-
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f}"
 
 
+TP = Bench(
+    "tp",
+    "tensor-parallel block: time, bytes, activation memory",
+    __name__,
+    flags,
+    run,
+    report,
+    problems,
+    ranks=4,
+    ranks_help="ranks (tp = 1, 2, 4, ... up to n)",
+)
+
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], TP)

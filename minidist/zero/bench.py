@@ -32,19 +32,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 from torch import nn
 
+from minidist.bench import Bench, rank_main, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel.wrappers import DataParallelBucketed
-from minidist.launch.launcher import init, start_ranks
 from minidist.mixed_precision.amp import PRECISIONS
 from minidist.zero import cost as zero_cost
 from minidist.zero import stages as zero
@@ -135,21 +130,15 @@ def bench_stage(comm, stage: int, precision: str, cfg: argparse.Namespace) -> di
     gc.collect()
     _reset_peak()
     counter.reset()
-    times = []
-    for _ in range(cfg.steps):
-        comm.barrier()  # start together: otherwise one rank's wait for another is timed
-        t0 = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - t0)
+    seconds = time_it(comm, one_step, cfg.steps, warmup=0)
     peak = _rss_kb("VmHWM")
-    worst = comm.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max")
     return {
         "stage": stage,
         "precision": precision,
         "held": {k: held[k] for k in ("params", "grads", "optimizer")},
         "peak_rss": None if peak is None or before is None else (peak - before) * 1024,
         "sent": counter.bytes_sent / cfg.steps,
-        "step_ms": worst.item() * 1e3,
+        "step_ms": seconds * 1e3,
     }
 
 
@@ -167,6 +156,11 @@ def formulas(stage: int, numel: int, n_params: int, p: int, precision: str = "fp
         "held": zero_cost.model_state_nbytes(stage, numel, p, b, 2, m),
         "sent": zero_cost.sent_nbytes(stage, numel, p, b, m) + flags,
     }
+
+
+def report(results: list[dict], args: argparse.Namespace) -> str:
+    """A table per world size."""
+    return "\n\n".join(format_table(r) for r in results)
 
 
 def format_table(result: dict) -> str:
@@ -202,9 +196,7 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, nargs="+", default=[2, 4], help="world sizes (one launch each)")
-    p.add_argument("--backend", choices=("mpi", "gloo", "threads"), default="mpi")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=16, help="rows per rank")
@@ -222,71 +214,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="ring",
         help="ring: every byte sent is counted; library: sent shows 0",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
-def add_parser(sub) -> None:
-    """Add `zero` to the subcommands of `minidist bench`."""
-    p = sub.add_parser("zero", help="ZeRO stages 0..3: bytes held and sent, step time")
-    add_arguments(p)
-    p.set_defaults(func=main)
-
-
-def problems(args: argparse.Namespace) -> list[str]:
-    """Why these flags cannot run (the CLI asks every benchmark before starting ranks): every
-    size works once it is in its range, which the CLI checks for all flags."""
-    return []
-
-
-def main(args: argparse.Namespace) -> int:
-    """The parent: one launch per world size; rank 0 of each leaves its rows in a file."""
-    results = []
-    for n in args.n:
-        with tempfile.TemporaryDirectory(prefix="minidist-bench-zero-") as folder:
-            out = os.path.join(folder, "rows.json")
-            argv = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "steps")]
-            argv += [f"--algorithm={args.algorithm}", f"--out={out}"]
-            argv += ["--precision", *args.precision]
-            # processes: large tensors straight from mmap, and back on free: RSS follows what
-            # is live
-            env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "OMP_NUM_THREADS": "1"}
-            code = start_ranks(__name__, argv, n, args.backend, "minidist bench zero", env=env)
-            if code != 0:
-                return code
-            with open(out) as f:
-                results.append(json.load(f))
-    if args.json:
-        print(json.dumps({"bench": "zero", "results": results}))
-    else:
-        print("\n\n".join(format_table(r) for r in results))
-    return 0
-
-
-def rank_main(argv: list[str]) -> None:
-    """One rank: every row (stage, precision) in turn; rank 0 writes the rows to --out."""
-    parser = argparse.ArgumentParser(prog="minidist bench zero (rank)")
-    for flag in ("--layers", "--width", "--batch", "--steps"):
-        parser.add_argument(flag, type=int)
-    parser.add_argument("--algorithm")
-    parser.add_argument("--out")
-    parser.add_argument("--precision", nargs="+")
-    cfg = parser.parse_args(argv)
-    comm = init()
-    torch.set_num_threads(1)  # one core per rank
+def measure(comm, cfg: argparse.Namespace) -> dict:
+    """Every row (stage, precision) in turn on this world: its result, as --json lists it."""
     warm = torch.zeros(1, requires_grad=True)
     warm.grad = torch.ones(1)
     torch.optim.Adam([warm]).step()  # torch imports more on a first step: not stage 0's bytes
     # stage 0 in float32 always: the baseline of the ratios
     plan = [(0, "fp32")] + [(s, name) for name in cfg.precision for s in STAGES[1:]]
     rows = [bench_stage(comm, stage, precision, cfg) for stage, precision in plan]
-    if comm.rank == 0:
-        if comm.backend == "threads":  # one process holds every rank: no per-rank peak
-            for row in rows:
-                row["peak_rss"] = None
-        result = {"backend": comm.backend, "world_size": comm.world_size, "rows": rows}
-        result |= {"numel": cfg.layers * cfg.width**2, "config": vars(cfg)}
-        with open(cfg.out, "w") as f:
-            json.dump(result, f)
+    if comm.backend == "threads":  # one process holds every rank: no per-rank peak
+        for row in rows:
+            row["peak_rss"] = None
+    keys = ("layers", "width", "batch", "steps", "algorithm", "precision")
+    result = {"backend": comm.backend, "world_size": comm.world_size, "rows": rows}
+    return result | {"numel": cfg.layers * cfg.width**2, "config": {k: vars(cfg)[k] for k in keys}}
 
 
 def _nbytes(tensors) -> int:
@@ -294,5 +237,18 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+ZERO = Bench(
+    "zero",
+    "ZeRO stages 0..3: bytes held and sent, step time",
+    __name__,
+    flags,
+    measure,
+    report,
+    ranks=(2, 4),
+    ranks_help="world sizes (one launch each)",
+    # processes: large tensors straight from mmap, and back on free: RSS follows what is live
+    env=(("MALLOC_MMAP_THRESHOLD_", str(1 << 17)), ("OMP_NUM_THREADS", "1")),
+)
+
 if __name__ == "__main__":
-    rank_main(sys.argv[1:])
+    rank_main(sys.argv[1:], ZERO)
