@@ -236,7 +236,9 @@ class _Both:
     """Wait for the header, check it, then wait for the data."""
 
     def __init__(self, head_work, check, data_work):
-        self.head_work, self.check, self.data_work = head_work, check, data_work
+        self.head_work = head_work
+        self.check = check
+        self.data_work = data_work
 
     def wait(self) -> None:
         self.head_work.wait()

@@ -159,7 +159,9 @@ class Machine:
         link = clusters.calibrated(rows)
         base = clusters.this_machine(link, float("inf"), cores)  # the rate: per layout
         gpu = replace(base.gpu, memory=ram / cores, memory_bw=copy_bandwidth())
-        self.cluster, self.shape, self.repeats = replace(base, gpu=gpu), shape, repeats
+        self.cluster = replace(base, gpu=gpu)
+        self.shape = shape
+        self.repeats = repeats
         self.rates: dict[tuple[int, int], float] = {}
 
     def cluster_for(self, layout: plan.Layout) -> clusters.Cluster:

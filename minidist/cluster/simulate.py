@@ -85,7 +85,10 @@ class SimulatedComm(Blocking):
     """
 
     def __init__(self, inner, sim: _Sim, ranks: list[int], cid: tuple = ()):
-        self.inner, self.sim, self.ranks, self.cid = inner, sim, ranks, cid
+        self.inner = inner
+        self.sim = sim
+        self.ranks = ranks
+        self.cid = cid
         self.rank, self.world_size = inner.rank, inner.world_size
         self.backend, self.timeout = "simulated", inner.timeout
         self.me = sim.states[ranks[inner.rank]]

@@ -124,7 +124,9 @@ def agree(comm, sig: str, gather: Callable, payload: torch.Tensor | None = None)
     collectives.
     """
     comm.collectives += 1
-    mine, room, slot = _signature_bytes(sig), comm.fused_bytes, slot_bytes(comm)
+    mine = _signature_bytes(sig)
+    room = comm.fused_bytes
+    slot = slot_bytes(comm)
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     fused = payload is not None and nbytes <= room
     data = tensor_bytes(payload) if fused else b""
@@ -165,7 +167,10 @@ def finish_fused(comm, rows, name: str, out: torch.Tensor, op="sum", src=0) -> t
     """Fill `out` with this rank's result of collective `name` from the rows `agree` returned
     on comm: rank i's flattened input in row i. Every rank folds the same rows in rank order,
     so every rank holds bitwise the same result."""
-    p, n, slot, rank = comm.world_size, out.numel(), slot_bytes(comm), comm.rank
+    p = comm.world_size
+    n = out.numel()
+    slot = slot_bytes(comm)
+    rank = comm.rank
     if name == "all_reduce" and out.dtype in _NUMPY and out.is_cpu and out.is_contiguous():
         return _all_reduce_numpy(rows, out, op, p, slot)  # the common case, without torch's
     k = {"all_gather": n // max(p, 1), "reduce_scatter": n * p}.get(name, n)  # per row

@@ -95,7 +95,11 @@ class _RequestWork:
     """One MPI request, waited on with a timeout; `status` (receives) tells what arrived."""
 
     def __init__(self, comm: MPIComm, request, what: str, seq: int, peer=None, keep=None, tag=None):
-        self.comm, self.request, self.what, self.seq, self.peer = comm, request, what, seq, peer
+        self.comm = comm
+        self.request = request
+        self.what = what
+        self.seq = seq
+        self.peer = peer
         self.tag = tag  # a message's: its timeout says what the peer sent instead (see wait)
         self.keep = keep  # the tensors whose memory MPI reads or writes: alive until done
         self.status = None  # a receive sets an MPI.Status: polling allocates nothing
@@ -296,7 +300,9 @@ class MPIComm(Blocking):
     def ireduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum"):
         if start_collective(self, self._gather, "reduce_scatter", out, inp, op=op):
             return DoneWork()
-        src, dst, rows = self._host(inp), self._host(out), None
+        src = self._host(inp)
+        dst = self._host(out)
+        rows = None
         mpi_type = _native_type(inp.dtype)
         if mpi_type is None:  # each rank receives every rank's copy of its chunk, then folds
             rows = torch.empty((self.world_size, out.numel()), dtype=out.dtype)

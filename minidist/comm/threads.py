@@ -178,7 +178,11 @@ class _CollectiveWork:
     """Waits for all ranks at slot `seq`, then copies this rank's share of the result out."""
 
     def __init__(self, comm: ThreadsComm, slot: int, seq: int, name: str, finish: Callable):
-        self.comm, self.slot, self.seq, self.name, self.finish = comm, slot, seq, name, finish
+        self.comm = comm
+        self.slot = slot
+        self.seq = seq
+        self.name = name
+        self.finish = finish
         self.done = False
 
     def wait(self) -> None:
@@ -224,7 +228,11 @@ class _RecvWork:
     """A posted receive; receives on one channel complete in the order they were posted."""
 
     def __init__(self, comm: ThreadsComm, t: torch.Tensor, src: int, tag: int, seq: int):
-        self.comm, self.t, self.src, self.tag, self.seq = comm, t, src, tag, seq
+        self.comm = comm
+        self.t = t
+        self.src = src
+        self.tag = tag
+        self.seq = seq
         self.done = False
 
     def wait(self) -> None:
@@ -278,7 +286,9 @@ class _RecvWork:
         with world.cond:
             box = world.mailbox.setdefault(key, deque())
             what = lambda: describe(self.comm, f"recv(tag={self.tag})", self.seq, self.src)  # noqa: E731
-            rank, call, peers = self.comm.rank, self._call, self._peers
+            rank = self.comm.rank
+            call = self._call
+            peers = self._peers
             world.wait(lambda: bool(box), what, self.comm.timeout, rank, call, peers, self._note)
             msg = box.popleft()
         if msg.numel() != self.t.numel() or msg.dtype != self.t.dtype:
@@ -296,7 +306,11 @@ class _SendWork:
     (the n-th message on a channel is matched by the n-th receive posted on it, as in MPI)."""
 
     def __init__(self, comm: ThreadsComm, dst: int, tag: int, n: int, t: torch.Tensor):
-        self.comm, self.dst, self.tag, self.n, self.seq = comm, dst, tag, n, comm.seq
+        self.comm = comm
+        self.dst = dst
+        self.tag = tag
+        self.n = n
+        self.seq = comm.seq
         self.shape = _shape(t)
         self.done = False
 

@@ -164,7 +164,11 @@ class _TorchWork:
     """torch.distributed Works (one operation's), waited on with a timeout naming the operation."""
 
     def __init__(self, comm: TorchDistComm, works: list, what: str, seq: int, peer=None):
-        self.comm, self.works, self.what, self.seq, self.peer = comm, works, what, seq, peer
+        self.comm = comm
+        self.works = works
+        self.what = what
+        self.seq = seq
+        self.peer = peer
         self.done = False
         self.expects = None  # a receive's tensor: its timeout says what it expected
         self.tag = None  # a message's: its timeout names the collective it waited in
@@ -288,7 +292,9 @@ class TorchDistComm(Blocking):
         self.seq += 1
         if src == self.rank:
             return self.to_self.recv(t, tag, self.seq)
-        dense, what, seq = self._dense(t), f"recv(tag={tag})", self.seq
+        dense = self._dense(t)
+        what = f"recv(tag={tag})"
+        seq = self.seq
         nbytes = dense.numel() * dense.element_size()
         bulk = frames.bulk_bytes(nbytes)
         frame_bytes = frames.HEADER_BYTES + nbytes - bulk  # the sender's, if it sent what t holds

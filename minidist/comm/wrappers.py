@@ -124,7 +124,9 @@ def write_chrome_trace(path: str, events_by_rank: dict[int, list[dict]]) -> None
 
 class _ObservedWork:
     def __init__(self, work, observer, token):
-        self.work, self.observer, self.token = work, observer, token
+        self.work = work
+        self.observer = observer
+        self.token = token
         self.ended = False
 
     def wait(self) -> None:

@@ -219,7 +219,9 @@ class Watch:
     """Poll a launch's ranks (procs: one per rank, or mpiexec alone) until it ends."""
 
     def __init__(self, procs, n, backend, folder, timeout, deadline, lifelines=None):
-        self.procs, self.backend, self.folder = procs, backend, folder
+        self.procs = procs
+        self.backend = backend
+        self.folder = folder
         self.ranks = [Rank(r) for r in range(n)]
         self.timeout, self.deadline = timeout, deadline
         self.lifelines = lifelines
