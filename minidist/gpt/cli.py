@@ -43,7 +43,8 @@ from minidist.gpt.model import GPTConfig
 from minidist.gpt.reference import differences, train_full
 from minidist.gpt.report import AXES
 from minidist.gpt.train import Job, build_job
-from minidist.launch.launcher import BACKENDS, init, start_ranks
+from minidist.launch.init import BACKENDS, init
+from minidist.launch.launcher import start_ranks
 from minidist.mixed_precision.amp import PRECISIONS
 from minidist.pipeline.schedules import NAMES
 
