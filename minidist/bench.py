@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from minidist.launch.launcher import init, start_ranks
+from minidist.launch.init import init
+from minidist.launch.launcher import start_ranks
 
 
 def no_problems(args: argparse.Namespace) -> list[str]:

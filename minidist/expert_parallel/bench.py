@@ -166,7 +166,9 @@ def balanced_drop(n: int, k: int, n_experts: int, cap: int) -> float:
 
 def drop_row(comm, cf: float, args) -> dict:
     """One row of part 2: capacity, and the three dropped fractions with the two formulas."""
-    n, k, e = args.tokens[0], args.k, args.experts
+    n = args.tokens[0]
+    k = args.k
+    e = args.experts
     cap = expert_parallel.capacity(cf, k, n, e)
     gen = torch.Generator().manual_seed(1000 + comm.rank)
     dropped = 0

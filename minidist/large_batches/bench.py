@@ -47,7 +47,11 @@ from minidist.large_batches.accumulation import train_step
 from minidist.large_batches.lr import WarmupDecay, scaled_lr
 from minidist.mixed_precision.amp import PRECISIONS, LossScaler, MixedPrecisionOptimizer
 
-D_IN, CLASSES, WIDTH, DEPTH = 32, 8, 128, 4  # the student: 4 hidden layers of 128
+# the student: 4 hidden layers of 128
+D_IN = 32
+CLASSES = 8
+WIDTH = 128
+DEPTH = 4
 
 
 def mlp(seed: int, width: int, depth: int) -> nn.Sequential:
@@ -85,7 +89,9 @@ def task(samples: int) -> dict:
 
 def runs(args) -> list[dict]:
     """The four settings of part 1: batch, peak rate, warm-up steps, start fraction, micro."""
-    k, b0, lr0 = args.k, args.base_batch, args.base_lr
+    k = args.k
+    b0 = args.base_batch
+    lr0 = args.base_lr
     big = dict(batch=k * b0, micro=args.micro)
     return [
         dict(name="small", batch=b0, lr=lr0, warmup=0, start=0.0, micro=1),
@@ -235,7 +241,9 @@ def memory_table(args) -> list[dict]:
         cells = [memory_cell(args, precision, policy) for policy in ("none", "block", "sqrt")]
         *times, f = fastest([cell[1] for cell in cells] + [cells[0][2]], args.repeats)
         for (row, _, _), t in zip(cells, times, strict=True):
-            row["time"], row["forward"], row["overhead"] = t, f, t / times[0]
+            row["time"] = t
+            row["forward"] = f
+            row["overhead"] = t / times[0]
             row["overhead_formula"] = 1.0 if row["k"] == 0 else 1 + f / times[0]  # (t + F) / t
             rows.append(row)
     return rows

@@ -70,7 +70,9 @@ def timed_steps(comm, stage: PipelineStage, program, m: int, args) -> tuple[list
     g = torch.Generator().manual_seed(1)
     xs = split_microbatches(torch.randn(m * args.rows, args.width, generator=g), m)
     ys = split_microbatches(torch.randn(m * args.rows, args.width, generator=g), m)
-    bubbles, seconds, costs = [], [], {"F": [], "B": [], "W": []}
+    bubbles = []
+    seconds = []
+    costs = {"F": [], "B": [], "W": []}
     for step in range(args.steps + 1):  # step 0 warms up
         comm.barrier()  # all stages start together
         start = time.perf_counter()
@@ -89,7 +91,9 @@ def timed_steps(comm, stage: PipelineStage, program, m: int, args) -> tuple[list
 
 def measure(comm, name: str, m: int, args: argparse.Namespace) -> dict:
     """One row: medians over args.steps traced steps of schedule `name` with m microbatches."""
-    p, v, split = comm.world_size, 2 if name == "interleaved" else 1, name == "zb"
+    p = comm.world_size
+    v = 2 if name == "interleaved" else 1
+    split = name == "zb"
     stage, program = make_stage(comm, name, m, args, Tracer(comm.rank))
     bubbles, seconds, t = timed_steps(comm, stage, program, m, args)
     # simulated with eager sends, as pipeline/stage.py does

@@ -164,7 +164,9 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def format_table(result: dict) -> str:
-    p, numel, cfg = result["world_size"], result["numel"], result["config"]
+    p = result["world_size"]
+    numel = result["numel"]
+    cfg = result["config"]
     lines = [
         f"# minidist bench zero: {result['backend']}, {p} ranks, float32, {cfg['layers']} x "
         f"Linear({cfg['width']}, {cfg['width']}): Psi = {numel / 1e6:.2f}M, Adam (k = 2)",
