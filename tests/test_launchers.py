@@ -7,7 +7,8 @@ The ring (tests/scripts/ring.py) and the main job with --check (`python -m minid
 and under srun where Slurm answers. Ranks started by hand (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT set; plain processes, no launcher) have nobody to stop them: there the rendezvous
 store ends the job (minidist/comm/exits.py), so a rank that hangs, fails or leaves early ends
-every process within seconds, and the error names it.
+every process within seconds, and the error names it; as it does where a launcher serves the
+store but stops no rank of another machine (torchrun's agents on several machines).
 
 Every job runs under a deadline: one still running then is killed, its process group and all,
 and the test fails saying so.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from minidist.launch.launcher import mpiexec
+from minidist.launch.launcher import mpiexec, serve_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` command
@@ -105,10 +106,21 @@ def rank_env(**more: str) -> dict:
 
 
 def by_hand(argv: list[str], n: int, **more: str) -> list[subprocess.Popen]:
-    """n plain processes `python argv...` with the variables a user would set by hand."""
+    """n plain processes `python argv...` with the variables a user would set by hand (more:
+    others, or other values)."""
     port = str(free_port())
-    hand = {"WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    return [start([sys.executable, *argv], rank_env(RANK=str(r), **hand, **more)) for r in range(n)]
+    hand = {"WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} | more
+    return [start([sys.executable, *argv], rank_env(RANK=str(r), **hand)) for r in range(n)]
+
+
+def store_served_by(who: str, n: int) -> tuple[object, dict]:
+    """(the store this test serves as a launcher would, the variables that send the ranks to
+    it): who = "a launcher" (torchrun's agents on several machines: no launcher stops the
+    others, the store still ends the job), or (None, {}) for "rank 0" (ranks by hand)."""
+    if who == "rank 0":
+        return None, {}
+    store = serve_store(n, 60.0)
+    return store, {"MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def program(name: str, tmp_path) -> list[str]:
@@ -201,11 +213,15 @@ def began(text: str) -> float:
 
 
 @pytest.mark.processes
-def test_by_hand_a_hung_rank_ends_the_job_and_is_named():
+@pytest.mark.parametrize("served_by", ["rank 0", "a launcher"])
+def test_by_hand_a_hung_rank_ends_the_job_and_is_named(served_by):
     """Rank 1 sleeps outside the comm while rank 0 all-reduces (MINIDIST_TIMEOUT=2): rank 0
     times out, every rank hears it through the store and ends, and rank 0's error names rank 1
-    as the one that never arrived, with its stack."""
-    results = finish(by_hand([str(SCRIPTS / "misbehave.py"), "hang"], 2, MINIDIST_TIMEOUT="2"))
+    as the one that never arrived, with its stack; whether rank 0 or a launcher serves it."""
+    store, where = store_served_by(served_by, 2)
+    argv = [str(SCRIPTS / "misbehave.py"), "hang"]
+    results = finish(by_hand(argv, 2, MINIDIST_TIMEOUT="2", **where))
+    del store  # served until every rank has ended
     ended, text = time.time(), "".join(out for _, out in results)
     assert [code for code, _ in results] == [1, 1], text
     assert "[rank 0] rank 1 hung: no progress while rank 0 waited for it" in text, text
@@ -216,10 +232,14 @@ def test_by_hand_a_hung_rank_ends_the_job_and_is_named():
 
 
 @pytest.mark.processes
-def test_by_hand_a_failing_rank_ends_the_job():
+@pytest.mark.parametrize("served_by", ["rank 0", "a launcher"])
+def test_by_hand_a_failing_rank_ends_the_job(served_by):
     """Rank 1 raises while rank 2 sleeps outside the comm (no connection of its own closes to
-    wake it) and ranks 0 and 3 wait in an all_reduce: all four end within seconds."""
-    results = finish(by_hand([str(SCRIPTS / "misbehave.py"), "raise"], 4))
+    wake it) and ranks 0 and 3 wait in an all_reduce: all four end within seconds, whether
+    rank 0 or a launcher serves the store."""
+    store, where = store_served_by(served_by, 4)
+    results = finish(by_hand([str(SCRIPTS / "misbehave.py"), "raise"], 4, **where))
+    del store  # served until every rank has ended
     ended, text = time.time(), "".join(out for _, out in results)
     assert all(code == 1 for code, _ in results), text
     assert "[rank 1] ValueError: rank 1 gives up" in text, text
