@@ -353,6 +353,7 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f}"
 
 
+WAIT = 900  # seconds a rank may wait: the others wait at a barrier while rank 0 measures memory
 BATCH = Bench(
     "batch",
     "large batches (LR scaling, warm-up) and memory tables",
@@ -362,7 +363,7 @@ BATCH = Bench(
     report,
     problems,
     backends=("threads", "mpi", "gloo"),
-    wait=900,  # the others wait at a barrier while rank 0 measures memory
+    wait=WAIT,
 )
 
 if __name__ == "__main__":

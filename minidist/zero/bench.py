@@ -239,6 +239,8 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+# the ranks' processes: large tensors straight from mmap, and back on free: RSS follows what is live
+ENV = (("MALLOC_MMAP_THRESHOLD_", str(1 << 17)), ("OMP_NUM_THREADS", "1"))
 ZERO = Bench(
     "zero",
     "ZeRO stages 0..3: bytes held and sent, step time",
@@ -248,8 +250,7 @@ ZERO = Bench(
     report,
     ranks=(2, 4),
     ranks_help="world sizes (one launch each)",
-    # processes: large tensors straight from mmap, and back on free: RSS follows what is live
-    env=(("MALLOC_MMAP_THRESHOLD_", str(1 << 17)), ("OMP_NUM_THREADS", "1")),
+    env=ENV,
 )
 
 if __name__ == "__main__":
