@@ -3,6 +3,8 @@ deterministically by the documented rules; a bad checkpoint or flag is one line,
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -100,3 +102,16 @@ def test_a_layer_of_the_wrong_size_is_refused():
     flats = [torch.zeros(3) for _ in range(model.n_layers + 2)]
     with pytest.raises(resume.CheckpointError, match="layer 0 holds 3 values where"):
         sample.load_flat(model, flats)
+
+
+@pytest.mark.threads
+def test_train_ends_with_the_text_its_checkpoint_gives(tmp_path, capsys):
+    """`minidist train` ends with --sample bytes written by the model it trained: the same text
+    as `minidist sample` on the checkpoint it saved (the same draws, seed 0)."""
+    argv = ["train", "--backend", "threads", "--steps", "2", "--warmup", "1", "--batch", "4"]
+    argv += [*SMALL, "--tp", "2", "--save", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert cli.main([*argv, "--json", "--sample", "25"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model, net = sample.from_checkpoint(str(tmp_path))
+    assert summary["sample"] == sample.text(model, net, sample.PROMPT, 25, seed=0)
+    assert len(summary["sample"].encode()) >= 25

@@ -35,7 +35,7 @@ from dataclasses import fields
 import torch
 
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer
-from minidist.gpt import plots, report, resume
+from minidist.gpt import plots, report, resume, sample
 from minidist.gpt.config import DTYPES, TrainConfig
 from minidist.gpt.gather import parameters_full
 from minidist.gpt.loop import run, train_step
@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-factor", type=float, default=m.capacity_factor, help=cf_help)
     p.add_argument("--check", action="store_true", help="compare with one process at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--sample", type=int, default=120, help="bytes of text the trained model writes at the end"
+    )
     p.add_argument("--out", default="out/train", help="folder for pictures and the trace")
     p.add_argument("--save", metavar="DIR", help="write checkpoints DIR/step-NNNNNNN.pt")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
@@ -196,8 +199,8 @@ def rank_main(argv: list[str]) -> None:
             resume.save(job, resume.step_path(args.save, job.step))
         if bar is not None:
             tokens = (job.step - first) * config.batch * config.model.seq_len
-            bar.set_postfix_str(f"loss {loss:.4f}  {tokens / (time.perf_counter() - start):,.0f}"
-                                " tokens/s")  # fmt: skip
+            rate = tokens / (time.perf_counter() - start)
+            bar.set_postfix_str(f"loss {loss:.4f}  {rate:,.0f} tokens/s")
             bar.update()
 
     result = run(job, train_step, args.stop_at or config.steps, after_step)
@@ -222,6 +225,9 @@ def _finish(args, config: TrainConfig, result: dict, gathered: dict) -> None:
         summary["check"] = differences(result, reference, config)
         summary["check"]["seconds_one_process"] = reference["seconds"]
     plots.draw(summary["files"], config, result, reference, gathered)
+    if args.sample:  # as nanoGPT's sample.py: what the model learned, in its own words
+        net = sample.load_flat(config.model, result["parameters"])
+        summary["sample"] = sample.text(config.model, net, sample.PROMPT, args.sample, seed=0)
     print(json.dumps(summary) if args.json else report.tables(summary))
     if reference is not None and not summary["check"]["ok"]:
         sys.exit(1)  # --check failed: the job fails

@@ -143,6 +143,9 @@ def tables(s: dict) -> str:
                 f"(u = 2^{-8 if c['amp'] == 'bf16' else -11}, {c['steps']} steps: lesson 09)"
             )
     lines.append("wrote " + ", ".join(s["files"].values()))
+    if s.get("sample"):
+        lines += ["", "the trained model writes (minidist sample --resume CKPT for more):"]
+        lines += ["  " + line for line in s["sample"].splitlines()]
     return "\n".join(lines)
 
 
