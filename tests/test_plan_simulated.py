@@ -8,7 +8,9 @@ The cluster is a DGX H100 slowed down so that the toy sits where large runs sit:
 10^4 times slower (a 4 KB activation is to the latency what GPT-3's 50 MB is on the real links),
 its GPUs 10^5 times slower (compute dominates), and memory bandwidth unbounded (the simulator
 charges FLOPs only, so the plan's optimizer term is left out; and at one rate, whatever a
-matmul's shape: sms=0, no tile or wave quantization). The toy trains in float32: e=4.
+matmul's shape: sms=0, no tile or wave quantization), and its collectives one ring each
+(channels=1: the simulator prices a library collective as one ring over its ranks, where NCCL
+would run a ring on every card). The toy trains in float32: e=4.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SLOW = replace(
     gpu=replace(H100.gpu, peak_flops=H100.gpu.peak_flops / 1e5, memory_bw=float("inf"), sms=0),
     intra=replace(H100.intra, bandwidth=H100.intra.bandwidth / 1e4),
     inter=replace(H100.inter, bandwidth=H100.inter.bandwidth / 1e4),
+    channels=1,  # the simulator runs a library collective as one ring, not one per card
 )
 MODEL = GPTConfig(seq_len=16, d_model=32, n_heads=8, d_ff=128, n_layers=4)
 pytestmark = pytest.mark.threads
@@ -70,14 +73,15 @@ def planned_step(config: TrainConfig, psi: int) -> float:
 # plan / simulated, pinned; every one within 5%. Given the rank's parameter count, what is left:
 # the plan's pipeline messages wait on links the simulator lets overlap with compute (the head
 # on the last stage, 27% more compute there than on the first, is planned where it sits).
-# 4 x 2 x 2: two nodes, dp across.
+# 4 x 2 x 2: two nodes, dp across (the plan's ring across nodes carries NCCL's latencies,
+# tuning.cc's 8.4 us and more a call, where the simulator charges each hop its link's: +0.2%).
 RATIOS = {
     (2, 1, 1, 0): 1.000,
     (1, 2, 1, 0): 1.040,
     (1, 1, 2, 0): 0.996,
     (2, 2, 2, 0): 1.011,
     (2, 2, 2, 3): 1.004,
-    (4, 2, 2, 0): 1.002,
+    (4, 2, 2, 0): 1.004,
 }
 
 

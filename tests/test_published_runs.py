@@ -128,48 +128,48 @@ OTHERS = [rid for rid in published.RUNS if rid not in CALIBRATION]
 INF = float("inf")
 # the planner's error on every run not used to calibrate it (predicted / reported - 1)
 ERRORS = {
-    "r00": -0.084,
-    "r01": -0.07,
-    "r02": -0.057,
-    "r03": -0.067,
-    "r04": 0.01,
-    "r05": -0.066,
-    "r07": -0.016,
+    "r00": -0.077,
+    "r01": -0.063,
+    "r02": -0.05,
+    "r03": -0.06,
+    "r04": 0.004,
+    "r05": -0.072,
+    "r07": -0.015,
     "r08": -0.007,
-    "r09": 0.036,
-    "r10": -0.184,
-    "r11": -0.001,
+    "r09": 0.042,
+    "r10": -0.183,
+    "r11": -0.0,
     "r13": -0.21,
-    "r14": 0.122,
-    "r15": 0.1,
-    "r19": 0.005,
-    "r20": 0.011,
-    "r21": 0.019,
-    "r22": -0.08,
-    "r23": -0.006,
-    "r24": 0.017,
-    "r25": 0.055,
-    "r26": 0.057,
-    "r27": 0.086,
-    "r28": 0.113,
-    "r29": 0.121,
-    "r30": 0.032,
+    "r14": 0.123,
+    "r15": 0.101,
+    "r19": 0.011,
+    "r20": 0.017,
+    "r21": 0.024,
+    "r22": -0.073,
+    "r23": 0.002,
+    "r24": 0.023,
+    "r25": 0.061,
+    "r26": 0.058,
+    "r27": 0.089,
+    "r28": 0.12,
+    "r29": 0.129,
+    "r30": 0.03,
     "r31": 0.066,
-    "r32": -0.18,
-    "r33": -0.189,
-    "r34": -0.213,
-    "r36": -0.108,
-    "r37": -0.273,
-    "r39": 0.01,
-    "r41": 0.05,
-    "r42": 0.077,
-    "r43": 1.882,
-    "r44": -0.099,
-    "r45": 0.067,
-    "r46": 0.132,
-    "r47": 0.012,
-    "r48": 0.134,
-    "r49": 0.062,
+    "r32": -0.176,
+    "r33": -0.186,
+    "r34": -0.21,
+    "r36": -0.104,
+    "r37": -0.27,
+    "r39": 0.003,
+    "r41": 0.068,
+    "r42": 0.096,
+    "r43": 1.885,
+    "r44": -0.084,
+    "r45": 0.077,
+    "r46": 0.144,
+    "r47": 0.022,
+    "r48": 0.135,
+    "r49": 0.073,
 }
 # the gap between the published layout and the planner's first with the same techniques; INF:
 # the planner's memory model does not fit the published layout (Llama 3 with every technique
@@ -181,13 +181,13 @@ RANKING = {
     "r00": 0.0,
     "r01": 0.0,
     "r02": 0.0,
-    "r03": 0.088,
-    "r04": 0.121,
-    "r05": 0.022,
-    "r06": 0.014,
+    "r03": 0.087,
+    "r04": 0.127,
+    "r05": 0.026,
+    "r06": 0.015,
     "r07": 0.0,
     "r08": 0.0,
-    "r09": 0.042,
+    "r09": 0.045,
     "r10": 0.0,
     "r11": 0.0,
     "r12": 0.0,
@@ -195,23 +195,23 @@ RANKING = {
     "r14": 0.0,
     "r15": 0.0,
     "r19": 0.0,
-    "r20": 0.0,
-    "r21": 0.024,
+    "r20": 0.002,
+    "r21": 0.026,
     "r22": 0.002,
-    "r23": 0.043,
-    "r24": 0.003,
-    "r25": 0.005,
+    "r23": 0.042,
+    "r24": 0.005,
+    "r25": 0.006,
     "r26": 0.0,
     "r27": 0.0,
     "r28": 0.0,
-    "r29": 0.042,
+    "r29": 0.045,
     "r30": 0.0,
     "r31": 0.0,
-    "r32": 0.014,
+    "r32": 0.026,
     "r33": 0.0,
-    "r34": 0.013,
-    "r36": 0.006,
-    "r37": 0.044,
+    "r34": 0.018,
+    "r36": 0.008,
+    "r37": 0.071,
     "r38": INF,
     "r39": INF,
     "r41": 0.0,
@@ -229,7 +229,7 @@ RANKING = {
 def test_calibration_reproduces_its_runs():
     for rid in CALIBRATION[:2]:  # the compute efficiencies: these two runs exactly
         assert abs(error(rid)) < 0.002, (rid, error(rid))
-    assert abs(error("r12")) < 0.002, error("r12")  # the network efficiency
+    assert abs(error("r12")) < 0.002, error("r12")  # ZeRO-3's sharded-traffic efficiency
 
 
 def test_errors_are_pinned_and_the_median_is_at_most_15_percent():
@@ -242,10 +242,15 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     got = {rid: round(ranking_gap(rid), 3) for rid in published.RUNS}
     assert got == pytest.approx(RANKING, abs=0.0011)
     misses = sorted(rid for rid, gap in got.items() if gap > 0.05)
-    # Megatron-LM 18.4B and 39.1B: the planner prefers tp4 with an interleaved pipeline (8.8%,
-    # 12.1% faster) to the published tp8, whose six all-reduces of every activation per layer
-    # cost 12% and 9% of the step on NVLink, against a bubble of 3% and 1%; Llama 3: see RANKING
-    assert misses == ["r03", "r04", "r38", "r39"], misses
+    # Megatron-LM 18.4B and 39.1B: the planner prefers tp4 with an interleaved pipeline (8.7%,
+    # 12.7% faster) to the published tp8, whose six all-reduces of every activation per layer
+    # cost 12% and 9% of the step on NVLink, against a bubble of 3% and 1%; GPT-NeoX-20B: the
+    # planner prefers dp 32 x pp 3 x tp 1 (7.1% faster), a smaller bubble (48 microbatches of 1,
+    # not 32 of 4) and a data-parallel ring with two ranks a node, so on two network cards where
+    # the published layout's dp ring has one rank a node and one card (NCCL runs a ring on
+    # every card: cluster/network.py), its gradients after the flush cost 1.8% of the step;
+    # Llama 3: see RANKING
+    assert misses == ["r03", "r04", "r37", "r38", "r39"], misses
 
 
 def test_llama3_ranks_first_among_the_layouts_that_fit_its_own_memory():

@@ -69,7 +69,11 @@ class Cluster:
     a GPU of another node (its share of the node's NICs). oversubscription > 1 divides the
     network's bandwidth when every node sends at once (a tapered fabric). node_watts: one
     node at full load (GPUs, CPUs, NICs, fans); usd_per_gpu_hour: the rental price; pue: the
-    data centre's total power over its IT power."""
+    data centre's total power over its IT power. nics: the node's network cards for the
+    compute fabric, each of bandwidth inter.bandwidth x gpus_per_node / nics (a DGX: one per
+    GPU, rail-optimized; cluster/network.py runs one NCCL channel on each). channels: the rings
+    a collective runs across nodes (0: NCCL's, one a card its GPUs reach; 1: one ring, as
+    minidist's own ring_all_reduce and cluster/simulate.py's library collectives run)."""
 
     name: str
     gpu: GPU
@@ -80,6 +84,8 @@ class Cluster:
     usd_per_gpu_hour: float
     pue: float
     oversubscription: float = 1.0
+    nics: int = 1
+    channels: int = 0
 
     def node_of(self, rank: int) -> int:
         """The node rank r sits on: ranks fill a node before the next (as mpiexec and torchrun
@@ -215,9 +221,14 @@ def calibrated(rows: list[dict], name: str = "this machine") -> Link:
 #         TFLOP/s dense; up to 700 W; NVLink 900 GB/s. Its SMs are taken as the H100 SXM5's
 #         (the same peak: an assumption, the datasheet does not count them).
 # [DGXA]  NVIDIA DGX A100 datasheet (2020): 8 A100 on 6 NVSwitches; 8 single-port ConnectX-6
-#         200 Gb/s HDR InfiniBand for compute; 6.5 kW max.
+#         200 Gb/s HDR InfiniBand for compute; 6.5 kW max. Rail-optimized: NVIDIA DGX
+#         SuperPOD reference architecture with DGX A100 (RA-09950-001, 2020), one HDR card a GPU
+#         into the compute fabric.
 # [DGXH]  NVIDIA DGX H100 / DGX H200 datasheets (2023, 2024): 8 GPUs on 4 NVSwitches; 8
-#         ConnectX-7 400 Gb/s (InfiniBand NDR); about 10.2 kW max.
+#         ConnectX-7 400 Gb/s (InfiniBand NDR); about 10.2 kW max. NVIDIA DGX BasePOD reference
+#         architecture, "Core Components": "Four OSFP ports serving eight single-port NVIDIA
+#         ConnectX-7 VPI ... up to 400 Gb/s InfiniBand/Ethernet"; DGX H100 User Guide, 1.2.3
+#         Network Modules, table 6: each of the eight ConnectX-7 ports serves one GPU.
 # [NCCL]  NCCL's tuning model, src/graph/tuning.cc (hwLat, ring, LL protocol): per-hop
 #         latency 0.47 us on NVLink, 1.0 us on PCIe, 2.7 us on the network.
 # [PCIE]  PCI Express 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding: 31.5 GB/s per direction.
@@ -241,9 +252,10 @@ NDR_IB = Link("InfiniBand NDR 400 Gb/s per GPU", 2.7e-6, 50 * GB)  # [DGXH], [NC
 ETH100_SHARED8 = Link("100 GbE, one port per 8 GPUs", 2.7e-6, 12.5 * GB / 8)  # [NCCL] latency
 
 PRESETS = {
-    "dgx-a100": Cluster("DGX A100 80GB", A100_SXM, 8, NVLINK3, HDR_IB, 6500, 1.844, 1.10),
-    "dgx-h100": Cluster("DGX H100", H100_SXM, 8, NVLINK4, NDR_IB, 10200, 4.916, 1.10),
-    "dgx-h200": Cluster("DGX H200", H200_SXM, 8, NVLINK4, NDR_IB, 10200, 5.408, 1.10),
+    # 8 cards a node, one a GPU: [DGXA], [DGXH]
+    "dgx-a100": Cluster("DGX A100 80GB", A100_SXM, 8, NVLINK3, HDR_IB, 6500, 1.844, 1.10, nics=8),
+    "dgx-h100": Cluster("DGX H100", H100_SXM, 8, NVLINK4, NDR_IB, 10200, 4.916, 1.10, nics=8),
+    "dgx-h200": Cluster("DGX H200", H200_SXM, 8, NVLINK4, NDR_IB, 10200, 5.408, 1.10, nics=8),
     # an assumption, not a spec: the host of the PCIe box draws 1 kW beside its 8 x 300 W GPUs,
     # and it rents at p4d's price; the data centre is the survey's average (1.58 [PUE])
     "pcie-a100": Cluster(

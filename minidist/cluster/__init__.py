@@ -2,6 +2,7 @@
 
 hardware.py   GPUs, links and clusters with their sources; the time of a message and of each
               all-reduce algorithm on them
+network.py    the network as NCCL drives it: a ring on every card, or a tree, by size
 simulate.py   minidist's own code run on a simulated cluster, in simulated time
 plan.py       one layout priced: time, memory, bytes per dimension
 search.py     every layout of a cluster, ranked

@@ -29,15 +29,21 @@ Time per step (the slowest stage):
                   activations each layer keeps (7 with full recompute)
     pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
                   the fullest stage without the head (they fill and drain the pipe)
+    collectives   each on its own group, ranks placed as minidist's mesh places them (tp
+                  innermost, then pp, then dp), priced as NCCL runs them (cluster/network.py:
+                  a ring on each network card the group's GPUs reach, or a tree, by size);
+                  tp <= g stays on the node's links, a larger tp crosses the network
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
-                  stage and 1 for the output layer (backward) on the last (both if pp = 1),
-                  on the node's links if tp <= g, else on the network
-    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (on the
-                  network if they span nodes), all-gathered over tp on arrival (Narayanan et
-                  al., section 4.1); s b h, not gathered, as minidist's pipeline sends them
-    data par.     the gradient all-reduce of 2 Psi_g bytes over dp (ZeRO-2 and 3: per
-                  microbatch), less what hides behind backward (ZeRO-3: all compute)
+                  stage and 1 for the output layer (backward) on the last (both if pp = 1)
+    pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (across
+                  nodes on the sending GPU's own card if they span nodes), all-gathered over
+                  tp on arrival (Narayanan et al., section 4.1); s b h, not gathered, as
+                  minidist's pipeline sends them
+    data par.     over dp, of 2 Psi_g bytes: an all-reduce; ZeRO-1 a reduce-scatter and an
+                  all-gather; ZeRO-2 a reduce-scatter per microbatch; ZeRO-3 also two
+                  all-gathers per microbatch, at ZeRO-3's own efficiency (Efficiency.sharded);
+                  less what hides behind backward (ZeRO-3: all compute)
 Ladder: Shape, Layout -> memory_bytes (fits or not, and why) -> step (the time breakdown;
 sent_nbytes: the bytes it prices) -> plan_search.search (every layout of a GPU count, the
 feasible ones ranked) -> plan_cli (`minidist plan`); cluster/calibrate.py: this machine, measured.
@@ -51,7 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from minidist.cluster.hardware import Cluster, ring_all_reduce_seconds, wave_share
+from minidist.cluster import network
+from minidist.cluster.hardware import Cluster, wave_share
 
 
 @dataclass(frozen=True)
@@ -136,14 +143,16 @@ class Layout:
 @dataclass(frozen=True)
 class Efficiency:
     """What the formulas cannot know: the fraction of peak FLOP/s matmuls reach when their tiles
-    fill the SMs (matmul_share takes the rest off), of the network's bandwidth the collectives
-    reach, of the window in which data-parallel traffic hides behind compute (backward, 2/3
-    of the compute, for gradients; all of it for ZeRO-3, which gathers parameters ahead of
-    forward too): exposed = max(0, t_dp - overlap x window). Calibrated: CALIBRATED."""
+    fill the SMs (matmul_share takes the rest off), of the network cards' line rate NCCL's
+    collectives reach (network), of that ZeRO-3's gathers and reduce-scatters reach
+    (sharded), of the window in which data-parallel traffic hides behind compute (backward,
+    2/3 of the compute, for gradients; all of it for ZeRO-3, which gathers parameters ahead
+    of forward too): exposed = max(0, t_dp - overlap x window). Calibrated: CALIBRATED."""
 
     compute: float = 0.5
     network: float = 1.0
     overlap: float = 0.0  # of the window in which data-parallel traffic can flow
+    sharded: float = 1.0  # ZeRO-3's gathers and reduce-scatters: of the network's bandwidth
 
 
 def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
@@ -299,25 +308,23 @@ def step(
     slowest, fullest = (
         f * s * x.b / x.tp / rate + elementwise for f in stage_flops_per_token(shape, x)
     )
-    slower = replace(cluster.inter, bandwidth=cluster.inter.bandwidth * eff.network)
-    net = replace(cluster, inter=slower)
+    g = cluster.gpus_per_node
     act = e * s * x.b * h  # bytes of one activation tensor
-    tp_ar = ring_all_reduce_seconds(net, x.tp, act) if x.tp > 1 else 0.0
+    # minidist's rank order (mesh.py: arange(world).view(dp, pp, tp)): tp innermost, then pp,
+    # then dp; each dimension's collectives run on the group this order gives it, on its links
+    tp_group = network.spread(1, x.tp, g)
+    dp_group = network.spread(x.tp * x.pp, x.dp, g)
+    tp_ar, _ = network.collective_seconds(cluster, "all_reduce", tp_group, act, eff.network)
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
-    hop = net.link(0, (x.pp - 1) * x.tp)  # the slowest: the network if the stages span nodes
-    message = hop.latency + act / (x.tp if x.scatter else 1) / hop.bandwidth
-    if x.scatter:  # the receiving stage all-gathers the tp ranks' slices (half an all-reduce)
-        message += tp_ar / 2
-    t_pp = 2 * m * x.v * message if x.pp > 1 else 0.0
+    across = x.pp * x.tp > g  # a pipeline (stage neighbours tp apart) that spans nodes
+    t_pp = network.p2p_seconds(cluster, across, act / (x.tp if x.scatter else 1), eff.network)
+    if x.scatter:  # the receiving stage all-gathers the tp ranks' slices
+        t_pp += network.collective_seconds(cluster, "all_gather", tp_group, act, eff.network)[0]
+    t_pp = 2 * m * x.v * t_pp if x.pp > 1 else 0.0
     psi_g = psi or shape.params() / (x.pp * x.tp)
-    # in all-reduces of the bf16 gradients (a reduce-scatter or an all-gather is half of one):
-    # ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also all-gathers twice per microbatch
-    rounds = {0: 1, 1: 1, 2: (m + 1) / 2, 3: 1.5 * m}[x.zero]
+    t_dp = dp_seconds(cluster, x, dp_group, e * psi_g, m, eff)
     window = 1.0 if x.zero == 3 else 2 / 3  # gradients flow during backward; ZeRO-3 gathers too
-    # dp peers sit tp x pp ranks apart: g / (tp pp) of them on a node (at least 1)
-    dp_group = replace(net, gpus_per_node=max(1, net.gpus_per_node // (x.tp * x.pp)))
-    t_dp = rounds * ring_all_reduce_seconds(dp_group, x.dp, e * psi_g) if x.dp > 1 else 0.0
     optimizer = psi_g * (16 / x.dp if x.zero else 16) * 2 / cluster.gpu.memory_bw  # read + write
     return {
         "compute": m * slowest,
@@ -327,6 +334,25 @@ def step(
         "dp": max(0.0, t_dp - eff.overlap * window * m * slowest),
         "optimizer": optimizer,
     }
+
+
+def dp_seconds(cluster: Cluster, x: Layout, group, nbytes: float, m: int, eff) -> float:
+    """Seconds of a step's data-parallel collectives of nbytes (a rank's gradients or
+    parameters) over its dp group, NCCL's choice each: no ZeRO, one all-reduce; ZeRO-1, a
+    reduce-scatter and an all-gather; ZeRO-2, a reduce-scatter every microbatch and one
+    all-gather; ZeRO-3, two all-gathers (forward, backward) and a reduce-scatter every
+    microbatch, at the network efficiency ZeRO-3's sharded traffic reached (eff.sharded)."""
+    if x.dp == 1:
+        return 0.0
+    counts = {
+        0: {"all_reduce": 1},
+        1: {"reduce_scatter": 1, "all_gather": 1},
+        2: {"reduce_scatter": m, "all_gather": 1},
+        3: {"reduce_scatter": m, "all_gather": 2 * m},
+    }[x.zero]
+    reach = eff.sharded if x.zero == 3 else eff.network
+    each = {k: network.collective_seconds(cluster, k, group, nbytes, reach)[0] for k in counts}
+    return sum(n * each[k] for k, n in counts.items())
 
 
 def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float = 0) -> dict:
@@ -386,12 +412,18 @@ def evaluate(shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9,
 # Fitted on three published runs (tests/published_runs.py), checked on every other one: compute
 # on Megatron-LM's 145.6B on 1536 A100s (r06: Narayanan et al., SC 2021, table 1) and Llama 3
 # 405B on 8,192 H100s (r38: Dubey et al., 2024, table 4, laid out as its section 3.3.2 says:
-# ZeRO-2, an interleaved pipeline, ends, no recompute); network on ZeRO-3 with 174.6B on 1536
-# A100s (r12: Narayanan et al., table 2), where gradients and parameters dwarf the compute.
+# ZeRO-2, an interleaved pipeline, ends, no recompute); sharded on ZeRO-3 with 174.6B on 1536
+# A100s (r12: Narayanan et al., table 2), where gathered parameters and gradients dwarf the
+# compute: its collectives reached 7.9% of the eight cards a node NCCL would drive (about one
+# card's worth), which the H100 rows take too, having no ZeRO-3 run of their own to fit on.
+# network is measured, not fitted: nccl-tests all_reduce_perf's bus bandwidth over the cards'
+# line rate, A100 nodes 91 GB/s of 4 x 25 (two HGX A100 with four ConnectX-6 HDR each, 1-8 GB:
+# NVIDIA/nccl-tests issue #100, 2022), NDR cards 48 of 50 GB/s ("CX-7 NICs at NDR rate
+# (400Gbps) should achieve up to 48-49GB/s per NIC", NVIDIA, NVIDIA/nccl-tests issue #267).
 # overlap is not fitted: 1.0, traffic hides while there is compute (0 after the last microbatch).
 CALIBRATED = {
-    "A100": Efficiency(compute=0.686, network=0.630, overlap=1.0),
-    "H100": Efficiency(compute=0.575, network=0.630, overlap=1.0),
+    "A100": Efficiency(compute=0.679, network=0.91, overlap=1.0, sharded=0.0787),
+    "H100": Efficiency(compute=0.565, network=0.96, overlap=1.0, sharded=0.0787),
 }
 
 
