@@ -165,9 +165,13 @@ def two_groups_one_overflow(comm, agree_on_world: bool) -> list[int]:
     model = Net(2, 3, seed=comm.rank // 2)
     overflow_comm = comm if agree_on_world else None  # None: the dp group alone
     mp = amp.MixedPrecisionOptimizer(
-        model, make_optimizer("sgd"), f64, amp.LossScaler(4.0), dp_comm,
+        model,
+        make_optimizer("sgd"),
+        f64,
+        amp.LossScaler(4.0),
+        dp_comm,
         overflow_comm=overflow_comm,
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(comm.rank)
     for step in range(3):
         mp.zero_grad()

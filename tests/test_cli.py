@@ -137,8 +137,9 @@ def test_files_and_checkpoints_are_checked_in_the_parent(tmp_path, capsys):
 
 @pytest.mark.pure
 def test_a_killed_save_leaves_nothing_at_the_next(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     stale = tmp_path / f"step-0000003.pt.tmp{dead}"
     stale.write_bytes(b"half a checkpoint")
     mine = tmp_path / f"step-0000004.pt.tmp{os.getpid()}"  # a save in progress: kept

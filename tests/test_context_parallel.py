@@ -267,8 +267,13 @@ def measured(comm, layout: str) -> dict:
     forward = counter.summary()
     counter.reset()
     y.sum().backward()
-    return {"forward": forward, "backward": counter.summary(), "saved": sum(saved.values()),
-            "pairs": stats["pairs"], "n": B * H * n * D}  # fmt: skip
+    return {
+        "forward": forward,
+        "backward": counter.summary(),
+        "saved": sum(saved.values()),
+        "pairs": stats["pairs"],
+        "n": B * H * n * D,
+    }
 
 
 @pytest.mark.pure

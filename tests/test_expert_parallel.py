@@ -83,8 +83,15 @@ def problem(case: dict, n_groups: int):
     groups = [case["sizes"][g % len(case["sizes"])] for g in range(n_groups)]
     x = torch.randn(sum(groups), case["d"], generator=gen, dtype=F64) * 2  # (N, D)
     gy = torch.randn(sum(groups), case["d"], generator=gen, dtype=F64)  # (N, D)
-    full = ep.MoE(case["d"], case["f"], case["n_experts"], case["k"], case["cf"],
-                  alpha=case["alpha"], seed=case["seed"])  # fmt: skip
+    full = ep.MoE(
+        case["d"],
+        case["f"],
+        case["n_experts"],
+        case["k"],
+        case["cf"],
+        alpha=case["alpha"],
+        seed=case["seed"],
+    )
     x_ref = x.clone().requires_grad_()
     y_ref, auxes, kept = naive_moe(full, x_ref, groups, case["cf"], case["k"], case["alpha"])
     ((y_ref * gy).sum() + sum(auxes)).backward()  # the loss: the sum over every group

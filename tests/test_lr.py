@@ -243,9 +243,15 @@ def accumulate_data_parallel(comm, m: int, seed: int) -> None:
     lo, hi = 2 * m * r, 2 * m * (r + 1)  # this rank's rows
     mse = nn.functional.mse_loss
     accumulation.train_step(
-        model, mse, x[lo:hi], y[lo:hi], opt, m, no_sync=model.no_sync,
+        model,
+        mse,
+        x[lo:hi],
+        y[lo:hi],
+        opt,
+        m,
+        no_sync=model.no_sync,
         finish=model.finish_gradient_sync,
-    )  # fmt: skip
+    )
     with torch.no_grad():
         for q in ref.parameters():
             q -= 0.1 * q.grad

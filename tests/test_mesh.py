@@ -118,8 +118,13 @@ def test_cp_sits_between_pp_and_tp(dp_pp_tp, cp):
     Brute force from that formula, not from group()."""
     dp, pp, tp = dp_pp_tp
     layout = impl("mesh").Layout(dp, pp, tp, cp=cp)
-    place = {((d * pp + s) * cp + c) * tp + t: (d, s, c, t) for d in range(dp)
-             for s in range(pp) for c in range(cp) for t in range(tp)}  # fmt: skip
+    place = {
+        ((d * pp + s) * cp + c) * tp + t: (d, s, c, t)
+        for d in range(dp)
+        for s in range(pp)
+        for c in range(cp)
+        for t in range(tp)
+    }
     assert sorted(place) == list(range(layout.world_size))
     for rank, (d, s, c, t) in place.items():
         assert (layout.coords(rank), layout.cp_coord(rank)) == ((d, s, t), c)
@@ -189,8 +194,11 @@ def mesh_problems(found: dict, dp_pp_tp: tuple[int, int, int], rank: int) -> lis
     dp, pp, tp = dp_pp_tp
     want = {axis: expected_group(dp, pp, tp, rank, axis) for axis in ("dp", "pp", "tp")}
     want["coords"] = (rank // (pp * tp), rank // tp % pp, rank % tp)
-    return [f"rank {rank} of {dp_pp_tp}: {k} {found[k]} != {v}" for k, v in want.items()
-            if found[k] != v]  # fmt: skip
+    return [
+        f"rank {rank} of {dp_pp_tp}: {k} {found[k]} != {v}"
+        for k, v in want.items()
+        if found[k] != v
+    ]
 
 
 @pytest.mark.threads
@@ -220,8 +228,12 @@ def meshes_in_ranks(comm) -> int:
     subs = {k: comm.split(int(comm.rank < k)) for k in range(1, comm.world_size + 1)}
     tried = 0
     for k, sub in subs.items():
-        for dp_pp_tp in [(k // (pp * tp), pp, tp) for pp in range(1, k + 1)
-                         for tp in range(1, k + 1) if k % (pp * tp) == 0]:  # fmt: skip
+        for dp_pp_tp in [
+            (k // (pp * tp), pp, tp)
+            for pp in range(1, k + 1)
+            for tp in range(1, k + 1)
+            if k % (pp * tp) == 0
+        ]:
             problems = []
             if comm.rank < k:
                 problems = mesh_problems(mesh_groups(sub, dp_pp_tp), dp_pp_tp, comm.rank)

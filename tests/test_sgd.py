@@ -384,8 +384,11 @@ def misbehaving_workers(comm, how: list[str]):
     bad = how[comm.rank - 2]
     comm.timeout = 2.0  # a dropped worker is not answered: it times out, quickly here
     if bad in ("size", "dtype", "nan"):  # through the library's own worker
-        g = {"size": torch.ones(n - 1, dtype=f64), "dtype": torch.ones(n, dtype=torch.int64),
-             "nan": torch.full((n,), float("nan"), dtype=f64)}[bad]  # fmt: skip
+        g = {
+            "size": torch.ones(n - 1, dtype=f64),
+            "dtype": torch.ones(n, dtype=torch.int64),
+            "nan": torch.full((n,), float("nan"), dtype=f64),
+        }[bad]
         # never answered: a timeout, or (threads) the server's end seen while this rank's
         # refused gradient waits, unreceived, for a receive that never comes
         with pytest.raises((CommTimeout, Deadlock)):

@@ -362,8 +362,10 @@ def block_matches(comm, case: dict, dtype=F64, rtol=RTOL, atol=ATOL) -> None:
     if case["part"] == "block" and r == 0:  # the twin's own forward, once
         pairs["TransformerBlock(x)"] = (full(x), y_ref)
     if dtype == torch.float32:  # normwise: each tensor over its largest |element|
-        pairs = {k: (a / e.abs().max().clamp_min(1e-30), e / e.abs().max().clamp_min(1e-30))
-                 for k, (a, e) in pairs.items()}  # fmt: skip
+        pairs = {
+            k: (a / e.abs().max().clamp_min(1e-30), e / e.abs().max().clamp_min(1e-30))
+            for k, (a, e) in pairs.items()
+        }
     check_all(comm, pairs, rtol, atol, context=str(case))
 
 
@@ -391,8 +393,18 @@ def test_transformer_layers_threads(p, case):
 
 
 def float32_block(comm, sp: bool) -> None:
-    case = {"part": "block", "heads": 2, "hd": 4, "ff": 8, "b": 3, "t": 5, "causal": True,
-            "sp": sp, "from_full": True, "seed": 11}  # fmt: skip
+    case = {
+        "part": "block",
+        "heads": 2,
+        "hd": 4,
+        "ff": 8,
+        "b": 3,
+        "t": 5,
+        "causal": True,
+        "sp": sp,
+        "from_full": True,
+        "seed": 11,
+    }
     block_matches(comm, case, torch.float32, rtol=0.0, atol=1e-5)
 
 

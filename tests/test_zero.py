@@ -392,13 +392,19 @@ def zero_low_precision(comm, stage: int, name: str, seed: int, steps=30, device=
     n = x.shape[1] // comm.world_size  # rows per rank
     lo, hi = comm.rank * n, (comm.rank + 1) * n
     z = impl("zero.stages").wrap(
-        model.to(device), comm, torch.optim.AdamW, stage, {"lr": 3e-3},
-        precision=precision, scaler=scaler,
-    )  # fmt: skip
+        model.to(device),
+        comm,
+        torch.optim.AdamW,
+        stage,
+        {"lr": 3e-3},
+        precision=precision,
+        scaler=scaler,
+    )
     losses = []
     for step in range(steps):
-        loss = nn.functional.mse_loss(z(x[step, lo:hi].to(device, precision.compute)).float(),
-                                      y[step, lo:hi].to(device))  # fmt: skip
+        loss = nn.functional.mse_loss(
+            z(x[step, lo:hi].to(device, precision.compute)).float(), y[step, lo:hi].to(device)
+        )
         z.backward(loss)
         z.step()
         z.zero_grad()
@@ -457,9 +463,14 @@ def counted_mixed_bytes(comm, stage: int, precision) -> dict:
     c = ObservedComm(comm, counter)
     x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
     z = impl("zero.stages").wrap(
-        stack().float(), c, torch.optim.Adam, stage, {"lr": 0.1}, algorithm="ring",
+        stack().float(),
+        c,
+        torch.optim.Adam,
+        stage,
+        {"lr": 0.1},
+        algorithm="ring",
         precision=precision,
-    )  # fmt: skip
+    )
     counter.reset()
     z(x.to(precision.compute)).float().square().sum().backward()
     z.finish_gradient_sync()
@@ -498,9 +509,15 @@ def two_groups_one_overflow(comm, stage: int, agree_on_world: bool) -> list[int]
     model, scaler = Net(2, 3, seed=comm.rank // 2), LossScaler(4.0)
     overflow_comm = comm if agree_on_world else None  # None: the dp group alone
     z = impl("zero.stages").wrap(
-        model, dp_comm, torch.optim.SGD, stage, {"lr": 0.1}, precision=F64, scaler=scaler,
+        model,
+        dp_comm,
+        torch.optim.SGD,
+        stage,
+        {"lr": 0.1},
+        precision=F64,
+        scaler=scaler,
         overflow_comm=overflow_comm,
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(comm.rank)
     for step in range(3):
         loss = z(torch.randn(2, 2, generator=g, dtype=torch.float64), True).square().mean()

@@ -124,8 +124,9 @@ def parts_match_single_process(comm, case: dict) -> None:
     local = build(case, case["seed"] + 1000 * r)  # ranks start out of sync on purpose
     # the fix the error names: the module that reads lin.weight (the root) as the only unit
     units = {"units": []} if case["model"] == "reads" and case["stage"] == 3 else {}
-    z = impl("zero.stages").wrap(local, comm, torch.optim.AdamW, case["stage"],
-                          {"lr": 0.05, "weight_decay": 0.1}, **units)  # fmt: skip
+    z = impl("zero.stages").wrap(
+        local, comm, torch.optim.AdamW, case["stage"], {"lr": 0.05, "weight_decay": 0.1}, **units
+    )
     for step, x in enumerate(xs):
         z(x[r * b : (r + 1) * b]).square().mean().backward()  # this rank's rows, sliced here
         z.step()

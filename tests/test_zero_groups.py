@@ -108,8 +108,10 @@ def groups_match_single_process(comm, case: dict) -> None:
 def saved_groups_ok(state: dict, ref, ref_opt) -> bool:
     """The consolidated groups: torch's param_groups (every option), but naming parameters."""
     names = {id(q): n for n, q in ref.named_parameters()}
-    want = [dict(g, params=sorted(names[id(q)] for q in g["params"] if q.requires_grad))
-            for g in ref_opt.param_groups]  # fmt: skip
+    want = [
+        dict(g, params=sorted(names[id(q)] for q in g["params"] if q.requires_grad))
+        for g in ref_opt.param_groups
+    ]
     got = [dict(g, params=sorted(g["params"])) for g in state["param_groups"]]
     return got == want
 
@@ -172,11 +174,13 @@ def load_other_groups(comm, stage: int) -> str:
     """A state whose groups name other parameters: every rank raises the same error."""
     one = [{"params": TRAINABLE}]
     two = [{"params": TRAINABLE[:3]}, {"params": TRAINABLE[3:], "lr": 0.5}]
-    za = impl("zero.stages").wrap(Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1},
-                           param_groups=one)  # fmt: skip
+    za = impl("zero.stages").wrap(
+        Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1}, param_groups=one
+    )
     state = za.state_dict()
-    zb = impl("zero.stages").wrap(Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1},
-                           param_groups=two)  # fmt: skip
+    zb = impl("zero.stages").wrap(
+        Net(2, 2, 0), comm, torch.optim.SGD, stage, {"lr": 0.1}, param_groups=two
+    )
     try:
         zb.load_state_dict(state)
     except ValueError as e:

@@ -43,8 +43,9 @@ def run(argv: list[str], limit: float) -> tuple[bool, str, float]:
     start = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT)
     try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=limit)  # fmt: skip
+        done = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit
+        )
     except subprocess.TimeoutExpired:
         return False, f"timed out after {limit:.0f} s", time.perf_counter() - start
     out = done.stdout if done.returncode == 0 else done.stdout[-2000:] + done.stderr[-2000:]

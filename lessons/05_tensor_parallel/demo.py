@@ -38,8 +38,15 @@ def block_demo(comm, b: int = 2, t: int = 8, d: int = 16, heads: int = 4) -> Non
         print(f"one process saves {alone:,} bytes of activations for backward\n")
     for sp in (False, True):
         counter = Counter()
-        block = Parallel(d, heads, 4 * d, ObservedComm(comm, counter), seed=1,
-                         sequence_parallel=sp, dtype=torch.float64)  # fmt: skip
+        block = Parallel(
+            d,
+            heads,
+            4 * d,
+            ObservedComm(comm, counter),
+            seed=1,
+            sequence_parallel=sp,
+            dtype=torch.float64,
+        )
         lo, hi = (r * t // p, (r + 1) * t // p) if sp else (0, t)  # sp: this rank's tokens
         x_in = x[:, lo:hi].clone().requires_grad_()
         nbytes, y = saved_activation_nbytes(block, lambda: block(x_in))  # noqa: B023

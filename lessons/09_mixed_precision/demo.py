@@ -17,8 +17,10 @@ def underflow(rank: int) -> None:
     """Why the loss is scaled: a small gradient vanishes in float16 unless multiplied first."""
     if rank == 0:
         g = torch.tensor(1e-8)
-        print(f"a gradient of 1e-8 in float16: {g.half().item():.3g}; scaled by 2^16 first, then"
-              f" divided in float32: {(g * 2**16).half().float().item() / 2**16:.3g}")  # fmt: skip
+        print(
+            f"a gradient of 1e-8 in float16: {g.half().item():.3g}; scaled by 2^16 first, then"
+            f" divided in float32: {(g * 2**16).half().float().item() / 2**16:.3g}"
+        )
 
 
 def train(comm, precision, scaler, steps: int = 12) -> tuple:
@@ -65,8 +67,10 @@ def main(comm):
         print(f"  step {step:2d}: {row}   scale {scales[step]:>9g}{mark}")
     for name, (_, _, mp, nbytes) in results.items():
         dtypes = f"model {mp.params[0].dtype}, masters {mp.master[0].dtype}"
-        print(f"{name}: {dtypes}, all-reduced per step: {nbytes} bytes (gradients in "
-              f"{mp.precision.reduce}, + 4 for the overflow flag)")  # fmt: skip
+        print(
+            f"{name}: {dtypes}, all-reduced per step: {nbytes} bytes (gradients in "
+            f"{mp.precision.reduce}, + 4 for the overflow flag)"
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@ def main(comm):
     x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(comm.rank))  # my share
     a, b = ROWS * (D + 4 * D + 4 * D) * 4, ROWS * D * 4  # saved per block (A), its input (b)
     say = print if comm.rank == 0 else lambda *_: None
-    say(f"{N_BLOCKS} blocks, {ROWS} rows of width {D} per rank, float32, rank 0's numbers\n"
-        f"  policy  k saved (KiB) predicted ms (median, spread) x time")  # fmt: skip
+    say(
+        f"{N_BLOCKS} blocks, {ROWS} rows of width {D} per rank, float32, rank 0's numbers\n"
+        f"  policy  k saved (KiB) predicted ms (median, spread) x time"
+    )
     same, reference, noisy = True, None, False
     for policy in ("none", "block", 2, "sqrt", 8):
         model = CheckpointedSequential(copy.deepcopy(blocks), policy)
@@ -59,9 +61,11 @@ def main(comm):
         reference = reference or (grads, seconds)  # policy "none" comes first
         same &= all(torch.equal(p, q) for p, q in zip(grads, reference[0], strict=True))
         noisy |= spread > 0.25 or (policy == "block" and seconds < reference[1])
-        say(f"  {policy!s:>6} {model.k:2d} {peak >> 10:11d} "
+        say(
+            f"  {policy!s:>6} {model.k:2d} {peak >> 10:11d} "
             f"{predicted_peak(N_BLOCKS, model.k, a, b) >> 10:9d} {seconds * 1e3:6.1f} "
-            f"{spread:8.0%} {seconds / reference[1]:9.2f}")  # fmt: skip
+            f"{spread:8.0%} {seconds / reference[1]:9.2f}"
+        )
     verdict = "TOO NOISY here to show recomputing's cost (about 4/3 for 'block')"
     say(f"times: medians of 6 runs, spread (max-min)/median; {verdict if noisy else 'steady'}")
     same = comm.all_reduce(torch.tensor([float(same)]), "min").item() == 1.0  # on every rank

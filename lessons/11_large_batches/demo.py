@@ -22,8 +22,10 @@ def schedule(say) -> None:
     peak = scaled_lr(LR0, B0, K * B0, "linear")
     steps = [0, 1, 3, WARMUP - 1, WARMUP, 16, 24, 31]  # of 32 steps: 4096 samples / 128
     rates = [lr_at(s, peak, WARMUP, 32, "cosine", start=1 / K) for s in steps]
-    say(f"batch {B0} -> {K * B0}: rate {LR0} -> {peak:.2f} (linear rule), "
-        f"{scaled_lr(LR0, B0, K * B0, 'sqrt'):.3f} by the sqrt rule")  # fmt: skip
+    say(
+        f"batch {B0} -> {K * B0}: rate {LR0} -> {peak:.2f} (linear rule), "
+        f"{scaled_lr(LR0, B0, K * B0, 'sqrt'):.3f} by the sqrt rule"
+    )
     pairs = ", ".join(f"{s}: {r:.3f}" for s, r in zip(steps, rates, strict=True))
     say(f"  warm-up from lr0 over {WARMUP} steps, then cosine; step: rate  {pairs}")
 
@@ -37,13 +39,25 @@ def accumulation_is_one_big_step(comm, say) -> None:
     model = DataParallelBucketed(mlp(1, 64, 2), comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.functional.cross_entropy
-    train_step(model, loss_fn, shard(x, comm), shard(y, comm), opt, 4, no_sync=model.no_sync,
-               finish=model.finish_gradient_sync)  # fmt: skip
-    worst = max((q.grad - q_ref.grad).abs().max().item()
-                for q, q_ref in zip(model.parameters(), ref.parameters(), strict=True))  # fmt: skip
+    train_step(
+        model,
+        loss_fn,
+        shard(x, comm),
+        shard(y, comm),
+        opt,
+        4,
+        no_sync=model.no_sync,
+        finish=model.finish_gradient_sync,
+    )
+    worst = max(
+        (q.grad - q_ref.grad).abs().max().item()
+        for q, q_ref in zip(model.parameters(), ref.parameters(), strict=True)
+    )
     worst = comm.all_reduce(torch.tensor([worst]), "max").item()
-    say(f"4 microbatches x {comm.world_size} ranks vs one batch of {len(x)}: max |grad diff| "
-        f"{worst:.1e} (float32 rounding: the rows are summed in another order)")  # fmt: skip
+    say(
+        f"4 microbatches x {comm.world_size} ranks vs one batch of {len(x)}: max |grad diff| "
+        f"{worst:.1e} (float32 rounding: the rows are summed in another order)"
+    )
 
 
 def main(comm):
@@ -58,8 +72,10 @@ def main(comm):
         dict(name="large + warm-up", warmup=WARMUP, start=1 / K, **big),
         dict(name="large, no warm-up", warmup=0, start=0.0, **big),
     ]
-    say(f"held-out loss every 512 samples (the labels' entropy, the best possible: "
-        f"{data['floor']:.3f}):")  # fmt: skip
+    say(
+        f"held-out loss every 512 samples (the labels' entropy, the best possible: "
+        f"{data['floor']:.3f}):"
+    )
     for run in runs:
         curve = train_curve(comm, run, data, eval_every=512)
         say(f"  {run['name']:18} " + " ".join(f"{loss:.3f}" for _, loss in curve))

@@ -57,11 +57,15 @@ def imbalance_demo(comm, alpha: float, steps: int = 30) -> None:
     if r == 0:
         dropped = (load - cap).clamp(min=0).sum().item() / load.sum().item()
         print(f"\nalpha={alpha}: tokens per expert after {steps} steps {load.int().tolist()}")
-        print(f"  slowest expert {share:.0%} of tokens (balanced {1 / E:.0%}); capacity 1.25 "
-              f"would drop {dropped:.0%}")  # fmt: skip
+        print(
+            f"  slowest expert {share:.0%} of tokens (balanced {1 / E:.0%}); capacity 1.25 "
+            f"would drop {dropped:.0%}"
+        )
         busy, even = (expert_ms(round(n)) for n in (load.max().item(), N * p / E))
-        print(f"  its forward+backward at D=512: {busy:.1f} ms, balanced {even:.1f} ms: "
-              f"{busy / even:.1f}x the time for {share * E:.1f}x the tokens")  # fmt: skip
+        print(
+            f"  its forward+backward at D=512: {busy:.1f} ms, balanced {even:.1f} ms: "
+            f"{busy / even:.1f}x the time for {share * E:.1f}x the tokens"
+        )
     comm.barrier()  # the others wait while rank 0 times; at the combine they would wait too
 
 

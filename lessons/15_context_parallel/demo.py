@@ -62,13 +62,17 @@ def report(title: str, n: int, d: int, diffs: list, sent: tuple, every: torch.Te
     p = every.shape[0]
     print(title)
     print("  max |difference| to one process, y dq dk dv:", " ".join(f"{x:.0e}" for x in diffs))
-    print(f"  sent per rank: forward {sent[0]:,} B (2(cp-1)n = {2 * (p - 1) * n:,}), backward "
-          f"{sent[1]:,} B (2(2cp-1)n = {2 * (2 * p - 1) * n if p > 1 else 0:,})")  # fmt: skip
+    print(
+        f"  sent per rank: forward {sent[0]:,} B (2(cp-1)n = {2 * (p - 1) * n:,}), backward "
+        f"{sent[1]:,} B (2(2cp-1)n = {2 * (2 * p - 1) * n if p > 1 else 0:,})"
+    )
     print(f"  saved for backward {sent[2]:,} B ((4d+1)BHT/cp x 8 = {(4 * d + 1) * n // d:,})")
     pairs, secs = every[:, 0], every[:, 1]
-    print(f"  query-key pairs per rank {[int(x) for x in pairs.tolist()]}: max/mean "
-          f"{(pairs.max() / pairs.mean()).item():.2f}; compute seconds max/mean "
-          f"{(secs.max() / secs.mean()).item():.2f}")  # fmt: skip
+    print(
+        f"  query-key pairs per rank {[int(x) for x in pairs.tolist()]}: max/mean "
+        f"{(pairs.max() / pairs.mean()).item():.2f}; compute seconds max/mean "
+        f"{(secs.max() / secs.mean()).item():.2f}"
+    )
 
 
 if __name__ == "__main__":

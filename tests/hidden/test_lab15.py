@@ -95,8 +95,9 @@ def two_block_grads(diagonal_second: bool):
     gen = torch.Generator().manual_seed(153)
     m, d = 4, 3
     q = torch.randn(2, 1, m, d, generator=gen, dtype=F64, requires_grad=True)
-    k, v = (torch.randn(2, 1, 2 * m, d, generator=gen, dtype=F64, requires_grad=True)
-            for _ in range(2))  # fmt: skip
+    k, v = (
+        torch.randn(2, 1, 2 * m, d, generator=gen, dtype=F64, requires_grad=True) for _ in range(2)
+    )
     grad_out = torch.randn(2, 1, m, d, generator=gen, dtype=F64)
     mask = torch.zeros(m, 2 * m, dtype=torch.bool)
     if diagonal_second:  # q is the second block's own chunk: causal inside it
@@ -106,10 +107,18 @@ def two_block_grads(diagonal_second: bool):
     delta = (grad_out * out.detach()).sum(-1)
     scale = 1 / math.sqrt(d)
     grads = [
-        cpm.block_grads(q.detach(), k.detach()[:, :, s], v.detach()[:, :, s], grad_out,
-                        lse.detach(), delta, diag, scale)
+        cpm.block_grads(
+            q.detach(),
+            k.detach()[:, :, s],
+            v.detach()[:, :, s],
+            grad_out,
+            lse.detach(),
+            delta,
+            diag,
+            scale,
+        )
         for s, diag in ((slice(0, m), False), (slice(m, 2 * m), diagonal_second))
-    ]  # fmt: skip
+    ]
     dq = grads[0][0] + grads[1][0]
     dk = torch.cat([grads[0][1], grads[1][1]], 2)
     dv = torch.cat([grads[0][2], grads[1][2]], 2)
