@@ -4,14 +4,19 @@
                       and device: what every parallel layer slices its part from
     attention         softmax attention of n heads over a [q | k | v] projection, causal or not
     TransformerBlock  a pre-LayerNorm block, x + attn(ln1(x)), then + mlp(ln2(x))
+    Embedding, Head   the layers around the blocks: tokens plus positions in, a LayerNorm and
+                      the output layer out
+    held_elements     a layer's cut, and which of the full layer's elements the cut holds
 
-The techniques cut this model (tensor parallelism: tensor_parallel/blocks.py; context
-parallelism: context_parallel/; the main job: gpt/model.py) and are checked against it.
+The techniques cut this model (tensor parallelism: tensor_parallel/blocks.py and
+parallelize.py; context parallelism: context_parallel/; the main job: gpt/model.py builds it,
+gpt/train.py applies each technique to it) and are checked against it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,3 +91,49 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.proj(attention(self.qkv(self.ln1(x)), self.n_heads, self.causal))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: ids (B, T) -> x (B, T, D). tokens: an
+    nn.Embedding or its vocabulary-parallel cut; where: the tokens' positions (T,), None for
+    0..T-1 (context parallelism sets this rank's)."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Embedding):
+        super().__init__()
+        self.tokens, self.positions = tokens, positions
+        self.where = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(ids.shape[1], device=ids.device) if self.where is None else self.where
+        # called as a module (not .weight[:T]): ZeRO-3 gathers a module's weights on its call
+        return self.tokens(ids) + self.positions(where)  # (B, T, D)
+
+
+class Head(nn.Module):
+    """The final LayerNorm and the output layer: x (B, T, D) -> logits (B, T, V) (or V/tp)."""
+
+    def __init__(self, norm: nn.LayerNorm, out: nn.Module):
+        super().__init__()
+        self.norm, self.out = norm, out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def held_elements(
+    layer: nn.Module, cut: Callable[[nn.Module], nn.Module]
+) -> tuple[nn.Module, torch.Tensor]:
+    """(cut(layer), which of layer's parameter elements, laid end to end, the cut holds, in
+    the order of its own parameters laid end to end). The same cut applied while the layer's
+    parameters hold their own element numbers (float64, for a moment) says which: cutting is
+    slicing, with no communication."""
+    params = list(layer.parameters())
+    values = [q.data for q in params]
+    n = 0
+    for q in params:  # each element its number in the layer's parameters laid end to end
+        q.data = torch.arange(n, n + q.numel(), dtype=torch.float64).view(q.shape)
+        n += q.numel()
+    numbered = [q.detach().reshape(-1) for q in cut(layer).parameters()]
+    for q, value in zip(params, values, strict=True):
+        q.data = value
+    return cut(layer), torch.cat(numbered).long()

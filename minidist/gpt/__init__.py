@@ -1,11 +1,10 @@
 """The main job: a small GPT trained with every technique of the syllabus composed.
 
 config.py       TrainConfig: the run, and every reason it cannot start
-model.py        the plain GPT, built once, full; GPT.cut records each cut
+model.py        the plain GPT, built once, full, of minidist/transformer.py's layers
 data.py         the shipped text (data/sonnets.txt), as batches
-train.py        build_job: the techniques applied in order; predicted_nbytes: what they send
-parallelize.py  the steps that cut the model: tensor, recompute, pipeline
-context.py      context parallelism on the GPT (apply_cp); moe.py: experts (apply_ep)
+train.py        build_job: each technique's apply_* in order; predicted_nbytes: what they send
+context.py      the batch's tokens as the cp ranks hold them; moe.py: what experts refuse
 replicas.py     data parallelism or ZeRO, in the run's precision, behind one interface
 optimizer.py    AdamW with GPT's weight decay, and the loss scale
 loop.py         the one training loop (run) and one step of the composed job

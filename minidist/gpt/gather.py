@@ -2,8 +2,8 @@
 each rank's part of them (local_parameters); a layer made full from its slices (flat_full),
 and every stage's layers sent to world rank 0 (to_stage_zero). Shared by the check against one
 process (reference.py, --check) and the checkpoints (resume.save). Which elements of a layer
-each rank holds was recorded when the layer was cut (model.GPT.cut: Job.elements): nothing
-here builds a layer.
+each rank holds was recorded when the layer was cut (Job.elements, and the axes it was cut
+over: Job.cut_over): nothing here builds a layer.
 
 Communication: flat_full, an all_gather of the values with their element numbers over each
 comm the layer was cut over (tp; ep for a block with experts); to_stage_zero, one pp send per
@@ -31,6 +31,11 @@ def layers(job: Job) -> dict[int, torch.nn.Module]:
     return dict(zip(sum(job.layer_ids, []), found, strict=True))
 
 
+def cut_comms(job: Job, i: int) -> list:
+    """The comms layer i was cut over, in turn (its Job.cut_over axes on the mesh)."""
+    return [getattr(job.mesh, f"{axis}_comm") for axis in job.cut_over[i]]
+
+
 def parameters_full(job: Job) -> list[torch.Tensor] | None:
     """The full model's parameters, flattened per layer, in float64, on world rank 0 (None
     elsewhere). Each layer is put back together over the comms it was cut over (all_gather),
@@ -40,7 +45,7 @@ def parameters_full(job: Job) -> list[torch.Tensor] | None:
     sizes = gpt.layer_costs(config.model)
     with job.replicas.gathered():
         mine = {
-            i: flat_full(sizes[i], job.elements[i], list(x.parameters()), job.cut_over[i])
+            i: flat_full(sizes[i], job.elements[i], list(x.parameters()), cut_comms(job, i))
             for i, x in layers(job).items()
         }
     if d != 0 or mesh.cp_coord != 0:

@@ -1,20 +1,22 @@
 """A small GPT: the model of the main job, the plain one every technique is applied to.
 
 Equals: `GPT(config)` (its layers: `layers_full`) is the single-process model; the main job
-builds it once on every rank and applies the techniques to it in place (parallelize.py), each
-cut recorded by `GPT.cut`, so the distributed model is the full model cut, not a look-alike
+builds it once on every rank and applies each technique to its layers in place (train.py:
+each technique's own apply_*, on the plain layers of minidist/transformer.py), recording which
+full elements each cut holds, so the distributed model is the full model cut, not a look-alike
 (train.py proves the training equal: float64 1e-12 relative).
 Communication per step: none of its own (its cut forms communicate: tensor_parallel/blocks.py,
 pipeline/stage.py, ...).
 Memory per rank: the full model while it is built; after the composition, the parameters of
 its stage's layers, 1/tp of each tensor-parallel weight.
-Ladder: layer_full (one layer from its seed) -> GPT (the L + 2 layers, full) -> GPT.cut (a
-layer replaced by this rank's part of it, and which full elements that part holds).
+Ladder: layer_full (one layer from its seed) -> GPT (the L + 2 layers, full) -> the
+techniques applied to them (train.build_job).
 Paper: Radford et al., Language Models are Unsupervised Multitask Learners (GPT-2, 2019), the
 architecture (pre-LayerNorm blocks, a final LayerNorm, learned positions); this one is small,
 byte-level (vocabulary 256), without dropout and with an untied output layer.
 Lesson: lessons/12_3d_parallel/.   Run: minidist train --dp 2 --pp 2 --tp 2
-With config.experts > 0 every block's MLP is a mixture of experts (moe.py: MoEBlock).
+With config.experts > 0 every block's MLP is a mixture of experts (expert_parallel/
+moe_block.py: MoEBlock).
 
 The model as a sequence of layers, which the pipeline cuts between any two:
 
@@ -24,16 +26,15 @@ The model as a sequence of layers, which the pipeline cuts between any two:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.gpt import moe
+from minidist.expert_parallel.moe_block import block_full
 from minidist.pipeline.partition import balance
-from minidist.transformer import TransformerBlock, master_linear
+from minidist.transformer import Embedding, Head, TransformerBlock, master_linear
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class GPTConfig:
     d_ff: int = 256
     n_layers: int = 4
     seed: int = 0
-    experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (moe.py)
+    experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (MoEBlock)
     topk: int = 1  # experts per token
     capacity_factor: float = 1.25  # an expert takes at most ceil(cf k n / E) of n tokens
 
@@ -69,31 +70,6 @@ class GPTConfig:
         return found
 
 
-class Embedding(nn.Module):
-    """Token plus learned position embeddings: ids (B, T) -> x (B, T, D)."""
-
-    def __init__(self, tokens: nn.Module, positions: nn.Embedding):
-        super().__init__()
-        self.tokens, self.positions = tokens, positions
-        self.where = None  # (T,) the tokens' positions; None: 0..T-1 (cp: context.py)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(ids.shape[1], device=ids.device) if self.where is None else self.where
-        # called as a module (not .weight[:T]): ZeRO-3 gathers a module's weights on its call
-        return self.tokens(ids) + self.positions(where)  # (B, T, D)
-
-
-class Head(nn.Module):
-    """The final LayerNorm and the output layer: x (B, T, D) -> logits (B, T, V) (or V/tp)."""
-
-    def __init__(self, norm: nn.LayerNorm, out: nn.Module):
-        super().__init__()
-        self.norm, self.out = norm, out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
-
-
 def _table(rows: int, cols: int, seed: int, dtype) -> nn.Embedding:
     """An nn.Embedding drawn N(0, 0.02^2) from torch.Generator(seed), as GPT-2 draws its own."""
     emb = nn.Embedding(rows, cols, dtype=dtype)
@@ -112,7 +88,7 @@ def layer_full(config: GPTConfig, i: int, dtype=torch.float32) -> nn.Module:
             _table(c.seq_len, c.d_model, seed + 1, dtype),
         )
     if i <= c.n_layers and c.experts:
-        return moe.block_full(c, seed, dtype)
+        return block_full(c, seed, dtype)
     if i <= c.n_layers:
         return TransformerBlock(c.d_model, c.n_heads, c.d_ff, causal=True, seed=seed, dtype=dtype)
     if i == c.n_layers + 1:
@@ -130,47 +106,19 @@ def layers_full(config: GPTConfig, dtype=torch.float32) -> list[nn.Module]:
 
 class GPT(nn.Module):
     """The model as its L + 2 layers (layers_full), run one after the other: ids (B, T) ->
-    logits (B, T, V). Built full from the seeds; the composition then replaces layers by their
-    cut forms (cut), and `elements[i]` says which of layer i's full parameter elements (laid
-    end to end, layer_costs[i] of them) this rank's layer i holds, in the order of its own
-    parameters; `cut_over[i]` the comms it was cut over. Checkpoints and the check against one
-    process read them: no layer is ever built again to learn how it was cut."""
+    logits (B, T, V). Built full from the seeds; the main job applies each technique to its
+    layers in place (train.build_job)."""
 
     def __init__(self, config: GPTConfig, dtype=torch.float32):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(layers_full(config, dtype))
-        self.elements = [torch.arange(n) for n in layer_costs(config)]
-        self.cut_over: list[list] = [[] for _ in self.layers]
-
-    @property
-    def blocks(self) -> range:
-        """The numbers of the blocks among the layers (0: the embedding, L + 1: the head)."""
-        return range(1, self.config.n_layers + 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = ids
         for layer in self.layers:
             x = layer(x)
         return x
-
-    def cut(self, i: int, cut: Callable[[nn.Module], nn.Module], comm) -> None:
-        """Layer i becomes cut(layer i), its part on this rank of comm. The same cut applied
-        while the layer's parameters hold their own element numbers (float64, for a moment)
-        says which elements that part holds (cutting is slicing: no communication)."""
-        layer = self.layers[i]
-        params = list(layer.parameters())
-        values = [q.data for q in params]
-        n = 0
-        for q in params:  # each element its number in the layer's parameters laid end to end
-            q.data = torch.arange(n, n + q.numel(), dtype=torch.float64).view(q.shape)
-            n += q.numel()
-        numbered = [q.detach().reshape(-1) for q in cut(layer).parameters()]
-        for q, value in zip(params, values, strict=True):
-            q.data = value
-        self.elements[i] = self.elements[i][torch.cat(numbered).long()]
-        self.layers[i] = cut(layer)
-        self.cut_over[i].append(comm)
 
 
 def layer_costs(config: GPTConfig) -> list[int]:

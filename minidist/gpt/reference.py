@@ -6,7 +6,7 @@ Equals: train_full is the reference itself: model.GPT, full, on the full batch, 
 batches, AdamW (with the same weight-decay groups: optimizer.decay_groups),
 learning-rate schedule and precision as train.py's ranks, run by the same loop (loop.run);
 any cp and tp alike (the same model cut otherwise); with experts, each block routes the batch
-in the groups the ranks' microbatches make (moe.group_blocks): one per dp rank, microbatch and
+in the groups the ranks' microbatches make (moe_block.group_blocks): one per dp rank, microbatch and
 cp rank, whatever ep.
 Communication: none (one process).
 Memory: the full model and its optimizer state, in the run's dtype.
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minidist.gpt import context, moe
+from minidist.expert_parallel.moe_block import group_blocks
+from minidist.gpt import context
 from minidist.gpt import model as gpt
 from minidist.gpt.config import DTYPES, TrainConfig
 from minidist.gpt.data import batch_at, load_bytes
@@ -52,7 +53,7 @@ def full_job(config: TrainConfig, data=None) -> FullJob:
     # MoE: the ranks' groups, each b T / cp tokens (b = B / (dp m)), the aux loss their mean
     m, cp, t = config.dp * config.microbatches, config.cp, config.model.seq_len
     order = context.token_order(config.batch, t, cp, config.batch // m) if cp > 1 else None
-    moe.group_blocks(model, config.batch // m * t // cp, 1 / (m * cp), order)
+    group_blocks(model, config.batch // m * t // cp, 1 / (m * cp), order)
     groups = grouped_optimizer(config, model)  # as every rank: AdamW over decay_groups
     scaler = make_scaler(config.amp)
     if config.amp != "fp32":

@@ -32,7 +32,7 @@ from dataclasses import asdict
 import torch
 
 from minidist.gpt import model as gpt
-from minidist.gpt.gather import flat_full, to_stage_zero
+from minidist.gpt.gather import cut_comms, flat_full, to_stage_zero
 from minidist.gpt.replicas import MOMENTS
 from minidist.gpt.train import Job
 
@@ -85,7 +85,7 @@ def save(job: Job, path: str) -> None:
             tensors = [
                 _or_zeros(state[n][key], q) for n, q in zip(names, layer.parameters(), strict=True)
             ]
-            rows.append(flat_full(sizes[i], job.elements[i], tensors, job.cut_over[i]))
+            rows.append(flat_full(sizes[i], job.elements[i], tensors, cut_comms(job, i)))
         mine[i] = torch.stack(rows)  # (3, n_i)
     mine = to_stage_zero(job, mine)  # over pp, to world rank 0
     if mine is None:

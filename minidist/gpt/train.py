@@ -19,13 +19,13 @@ per tp rank, f bytes a gradient element):
 Memory per rank: Psi_s parameters with their gradients and optimizer state (ZeRO divides them
 by dp; see zero/stages.py), plus the activations the schedule keeps (pipeline/stage.py).
 The composition (build_job), as torchtitan's parallelize: the mesh, the plain model built
-once, full, then each technique applied to what the one before left:
+once, full, then each technique's own apply function on what the one before left:
   mesh            the rank grid: dp_comm, pp_comm, tp_comm (cp, ep)  mesh.py
-  1. tensor       every layer sliced over tp_comm                   parallelize.apply_tp
-  2. context      every attention a ring over cp_comm               context.apply_cp
-  3. expert       every block's experts shared out over ep_comm     moe.apply_ep
-     (recompute   every block's activations recomputed in backward  parallelize.apply_recompute)
-  4. pipeline     this stage's layers, as chunks for the schedule    parallelize.apply_pp
+  1. tensor       every layer sliced over tp_comm                   tensor_parallel/parallelize.py
+  2. context      every attention a ring over cp_comm               context_parallel/parallelize.py
+  3. expert       every block's experts shared out over ep_comm     expert_parallel/moe_block.py
+     (recompute   every block's activations recomputed in backward  checkpointing/blocks.py)
+  4. pipeline     this stage's layers, as chunks for the schedule    pipeline/chunks.py
   5. data         data parallel or ZeRO over dp (dp x cp)            replicas.apply_replicas
   6. precision    in the run's precision: amp's masters and scale    replicas.py
 The cuts come first: data parallelism and ZeRO must see the parameters each rank really holds.
@@ -44,33 +44,38 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from minidist.gpt import context, moe
+from minidist.checkpointing.blocks import apply_recompute
+from minidist.context_parallel.parallelize import apply_cp
+from minidist.expert_parallel.moe_block import MoEBlock, apply_ep, group_blocks
 from minidist.gpt import model as gpt
+from minidist.gpt import moe
 from minidist.gpt.config import DTYPES, TrainConfig
 from minidist.gpt.data import load_bytes
 from minidist.gpt.loop import run, train_step
-from minidist.gpt.parallelize import apply_pp, apply_recompute, apply_tp
 from minidist.gpt.replicas import Replicas, apply_replicas
 from minidist.large_batches.lr import WarmupDecay
 from minidist.mesh import Mesh, make_mesh
+from minidist.pipeline.chunks import apply_pp
 from minidist.pipeline.schedules import build_schedules
 from minidist.pipeline.stage import PipelineStage
 from minidist.tensor_parallel.layers import vocab_parallel_cross_entropy
+from minidist.tensor_parallel.parallelize import apply_tp
 
 
 @dataclass
 class Job:
     """One rank's composed training: its mesh, chunks (and their layer numbers), replicas,
     pipeline stage and program; built by build_job, stepped by loop.train_step. elements[i]:
-    which of layer i's full parameter elements this rank holds (model.GPT.cut), cut_over[i]:
-    the comms it was cut over, for this stage's layers i."""
+    which of layer i's full parameter elements this rank holds (each cut's held_elements, in
+    turn), cut_over[i]: the mesh's axes it was cut over ("tp", "ep"), for this stage's layers
+    i."""
 
     config: TrainConfig
     mesh: Mesh
     layer_ids: list[list[int]]
     chunks: list[nn.Module]
     elements: dict[int, torch.Tensor]
-    cut_over: dict[int, list]
+    cut_over: dict[int, list[str]]
     replicas: Replicas
     stage: PipelineStage
     program: list
@@ -91,20 +96,27 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     if observe is not None:
         mesh = _observed(mesh, observe)
     _, s, _ = mesh.coords
-    model = gpt.GPT(config.model, DTYPES[config.dtype])  # the plain model, full, built once
+    layers = gpt.GPT(config.model, DTYPES[config.dtype]).layers  # the plain model, full, once
+    elements = {i: torch.arange(n) for i, n in enumerate(gpt.layer_costs(config.model))}
+    cut_over = {i: [] for i in elements}
     # lab 12.4 begin: the techniques in order, each applied to what the one before left
-    apply_tp(model, mesh.tp_comm)  # 1: first, so every later step sees the slices
+    held = {"tp": apply_tp(layers, mesh.tp_comm)}  # 1: first, so every later step sees slices
     if mesh.cp_comm is not None:
-        context.apply_cp(model, mesh.cp_comm)  # 2
+        apply_cp(layers, mesh.cp_comm)  # 2
     if mesh.ep_comm is not None:
-        moe.apply_ep(model, mesh.ep_comm)  # 3
+        held["ep"] = apply_ep(layers, mesh.ep_comm)  # 3
     if config.checkpointing:
-        apply_recompute(model)  # before the replicas: ZeRO-3 hooks the modules it finds
-    layer_ids, chunks = apply_pp(model, config.pp, config.chunks, s, device)  # 4
+        apply_recompute(layers)  # before the replicas: ZeRO-3 hooks the modules it finds
+    layer_ids = gpt.stage_layer_ids(config.model, config.pp, config.chunks, s)
+    chunks = apply_pp(layers, layer_ids, device)  # 4
     replicas = apply_replicas(chunks, mesh, config)  # 5, 6
     # lab 12.4 end
+    for axis, cuts in held.items():  # which full elements each cut left this rank, in turn
+        for i, mine in cuts.items():
+            elements[i] = elements[i][mine]
+            cut_over[i].append(axis)
     # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline/stage.py); the replicas
-    moe.group_blocks(replicas.module, None, 1 / config.microbatches)  # divide by dp cp
+    group_blocks(replicas.module, None, 1 / config.microbatches)  # divide by dp cp
 
     def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits_local: (b, T, V/tp); the loss in float32 at least, scaled for fp16
@@ -120,8 +132,8 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         mesh,
         layer_ids,
         chunks,
-        elements={i: model.elements[i] for i in ids},
-        cut_over={i: model.cut_over[i] for i in ids},
+        elements={i: elements[i] for i in ids},
+        cut_over={i: cut_over[i] for i in ids},
         replicas=replicas,
         stage=stage,
         program=build_schedules(config.schedule, config.pp, config.microbatches, config.chunks)[s],
@@ -172,7 +184,7 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
     }
     if c.cp > 1:
-        routed = [q for x in job.replicas.module.modules() if isinstance(x, moe.MoEBlock)
+        routed = [q for x in job.replicas.module.modules() if isinstance(x, MoEBlock)
                   for q in x.moe.parameters()]  # fmt: skip
         found["cp"] = m * blocks * ring * a // c.tp + sum(q.numel() for q in routed) * f
     if c.ep > 1:

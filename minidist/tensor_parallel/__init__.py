@@ -6,5 +6,6 @@ layers.py    column- and row-parallel linear, the fused sequence-parallel linear
              vocabulary-parallel cross-entropy
 blocks.py    what builds on them: the vocabulary-parallel embedding, the parallel MLP,
              self-attention and transformer block (twins of minidist/transformer.py's)
+parallelize.py  apply_tp: a plain transformer's layers cut over tp (the main job's step 1)
 bench.py     `minidist bench tp`
 """
