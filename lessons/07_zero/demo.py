@@ -25,8 +25,12 @@ def model() -> nn.Sequential:
 
 def train(comm, stage: int, steps: int = 3) -> tuple[float, dict, float]:
     """AdamW, `steps` steps: max |difference| from one process, bytes held, bytes sent."""
-    p, r, g = comm.world_size, comm.rank, torch.Generator().manual_seed(1)
-    ref, counter, held = model(), Counter(), {}
+    p = comm.world_size
+    r = comm.rank
+    g = torch.Generator().manual_seed(1)
+    ref = model()
+    counter = Counter()
+    held = {}
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     c = ObservedComm(comm, counter)  # with the hand-written ring, every byte sent is counted
     z = zero.wrap(model(), c, torch.optim.AdamW, stage, {"lr": 0.01}, algorithm="ring")

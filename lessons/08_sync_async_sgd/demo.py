@@ -17,7 +17,9 @@ import torch
 from minidist.launch.launcher import demo_init
 from minidist.sgd.variants import Config, least_squares, train
 
-STEPS, COMPUTE, SLOW = 40, 0.005, 0.015  # gradients per worker; seconds; the straggler's extra
+STEPS = 40  # gradients per worker
+COMPUTE = 0.005  # seconds a gradient costs
+SLOW = 0.015  # the straggler's extra seconds per gradient
 TARGET = 1e-4  # "trained": the loss below TARGET times the loss at the start
 
 

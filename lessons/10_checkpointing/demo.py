@@ -17,7 +17,9 @@ from minidist.checkpointing.recompute import (
 )
 from minidist.launch.launcher import demo_init
 
-N_BLOCKS, D, ROWS = 16, 128, 32
+N_BLOCKS = 16
+D = 128
+ROWS = 32
 
 
 class Block(nn.Module):
@@ -53,7 +55,9 @@ def main(comm):
         f"{N_BLOCKS} blocks, {ROWS} rows of width {D} per rank, float32, rank 0's numbers\n"
         f"  policy  k saved (KiB) predicted ms (median, spread) x time"
     )
-    same, reference, noisy = True, None, False
+    same = True
+    reference = None
+    noisy = False
     for policy in ("none", "block", 2, "sqrt", 8):
         model = CheckpointedSequential(copy.deepcopy(blocks), policy)
         comm.barrier()  # every rank measures the same policy at the same time: fair contention

@@ -14,7 +14,10 @@ from minidist.large_batches.bench import mlp, task, train_curve
 from minidist.large_batches.lr import lr_at, scaled_lr
 from minidist.launch.launcher import demo_init
 
-B0, LR0, K, WARMUP = 16, 0.06, 8, 8
+B0 = 16
+LR0 = 0.06
+K = 8
+WARMUP = 8
 
 
 def schedule(say) -> None:

@@ -13,7 +13,10 @@ from minidist.comm import Counter, ObservedComm
 from minidist.expert_parallel.moe import Expert, ExpertParallelMoE, MoE, step_nbytes, sync_grads
 from minidist.launch.launcher import demo_init
 
-D, F, E, N = 16, 32, 8, 64  # width, expert hidden width, experts, tokens per rank
+D = 16  # width
+F = 32  # an expert's hidden width
+E = 8  # experts
+N = 64  # tokens per rank
 
 
 def tokens(step: int, p: int) -> torch.Tensor:  # (N p, D); a shared offset: few experts win

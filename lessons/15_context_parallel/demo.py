@@ -34,7 +34,9 @@ def run(comm, layout: str, t: int = 256, b: int = 2, h: int = 4, d: int = 16) ->
     ref = [x.clone().requires_grad_() for x in whole]
     causal_attention(*ref).square().sum().backward()
     mine = [shard_sequence(x, comm, layout).requires_grad_() for x in whole]  # (B, H, T/p, d)
-    counter, stats, saved = Counter(), {}, {}
+    counter = Counter()
+    stats = {}
+    saved = {}
 
     def pack(x):  # what autograd keeps for backward, by storage
         saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
