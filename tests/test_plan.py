@@ -207,10 +207,16 @@ def test_cli_table_json_and_png(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--png", str(png))
     assert code == 0, err
     assert "why the best wins" in out and png.stat().st_size > 1000
+    assert "band: the best step" in out and "published runs (-18.2% to +12.3%)" in out
     code, out, _ = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--json")
     first = json.loads(out)["layouts"][0]
     assert first["seconds"] == pytest.approx(sum(first["parts"].values()))
     assert first["mwh"] > 0 and first["usd"] > 0 and 0 < first["mfu"] < 1
+    # every predicted time carries its error band (plan.error_band), days too
+    low, high = first["seconds_band"]
+    assert [low, high] == pytest.approx(list(plan.error_band(first["seconds"])))
+    assert low < first["seconds"] < high
+    assert first["days_band"][0] < first["days"] < first["days_band"][1]
 
 
 @pytest.mark.pure
@@ -277,6 +283,8 @@ def test_this_machine_from_a_bench_p2p_file(tmp_path, capsys):
     assert layouts and all(x["dp"] == 2 and x["b"] == 2 and not x["sp"] for x in layouts)
     assert {x["recompute"] for x in layouts} == {"none", "full"}
     assert all(not x["scatter"] for x in layouts)  # minidist's pipeline sends whole activations
+    # no band: the published runs validate the presets, not this machine (within 25%: lesson 13)
+    assert all(row["seconds_band"] is None for row in got["layouts"])
     code, _, err = run_cli(capsys, "--cluster", "this")
     assert code == 2 and "--cluster this needs --calibration FILE" in err, err
     code, _, err = run_cli(capsys, "--cluster", "this", "--calibration", str(path), "--model",

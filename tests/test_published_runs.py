@@ -10,6 +10,8 @@ where gradients sync after the last microbatch, published.AFTER_FLUSH; no interl
 its pipeline has none, published.NO_INTERLEAVING), the planner ranks
 first the published layout or one predicted within 5% of it; RANKING pins the gap for every run.
 `python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).
+plan.error_band draws every prediction's band from ERRORS (their middle 80%); a test keeps its
+copy equal to ERRORS.
 """
 
 from __future__ import annotations
@@ -236,6 +238,23 @@ def test_errors_are_pinned_and_the_median_is_at_most_15_percent():
     got = {rid: round(error(rid), 3) for rid in OTHERS}
     assert got == pytest.approx(ERRORS, abs=0.0011)
     assert statistics.median(abs(e) for e in got.values()) <= 0.15
+
+
+def test_the_error_band_is_drawn_from_these_errors():
+    # plan.error_band reads a copy of ERRORS: the same numbers, and its band is their middle
+    # 80%, the 10th and 90th percentiles interpolated between the sorted errors
+    assert plan.VALIDATION_ERRORS == ERRORS
+    errors = sorted(ERRORS.values())
+
+    def percentile(f: float) -> float:
+        at = f * (len(errors) - 1)
+        below = int(at)
+        return errors[below] + (at - below) * (errors[below + 1] - errors[below])
+
+    low, high = plan.error_band(10.0)
+    assert (low, high) == pytest.approx((10 / (1 + percentile(0.9)), 10 / (1 + percentile(0.1))))
+    inside = [e for e in errors if percentile(0.1) <= e <= percentile(0.9)]
+    assert abs(len(inside) / len(errors) - 0.8) < 0.05, len(inside)  # 32 of 42 runs
 
 
 def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():

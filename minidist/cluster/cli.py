@@ -13,11 +13,13 @@
 
 Prints the best layouts (plan_search.search) with the step time by part, tokens/s, MFU, memory per
 GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
-PUE: an upper bound) and the cost; then why the best one wins, and how many layouts were
-refused for which reason (--json: "refused", each reason with its count; also when none
-runs). Bad input is refused with one line per reason (exit 2): every number is read here
-(numbers) and one outside LIMITS is refused with its value before any work; a picked dp, pp or
-tp that cannot divide the GPUs is refused with the numbers (pick_problems).
+PUE: an upper bound) and the cost; the best one's error band (plan.error_band: where its step
+would fall were the planner as wrong as on the middle 80% of the 42 published runs it was
+checked on; --json: every layout's seconds_band and days_band); then why the best one wins,
+and how many layouts were refused for which reason (--json: "refused", each reason with its
+count; also when none runs). Bad input is refused with one line per reason (exit 2): every
+number is read here (numbers) and one outside LIMITS is refused with its value before any work;
+a picked dp, pp or tp that cannot divide the GPUs is refused with the numbers (pick_problems).
 `--cluster this` is this computer, one rank per core, as cluster/calibrate.py measures it: alpha and
 B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
 own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
@@ -32,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from collections import Counter
 from dataclasses import asdict, replace
@@ -230,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(cluster, calibrate.Machine):  # measured: each layout on its own rate
         machine, cluster = cluster, cluster.cluster
         ok, refused = machine.search(args.gpus, args.batch, allowed)
-        rows = [_row(shape, machine.cluster_for(q.layout), args, q) for q in ok]
+        rows = [_row(shape, machine.cluster_for(q.layout), args, q, band=False) for q in ok]
     else:
         flash = not args.no_flash
         picked = _picked(args)
@@ -260,6 +263,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
         _print(shape, cluster, args, rows[: args.top], refused)
+        _band(rows[0])
         _why(rows)
         if measured:
             rates = ", ".join(f"{k} {v:.1f}" for k, v in measured["gflop_s"].items())
@@ -296,14 +300,19 @@ def _reasons(refused) -> Counter:
     return kinds
 
 
-def _row(shape, cluster, args, q: plan.Plan) -> dict:
+def _row(shape, cluster, args, q: plan.Plan, band: bool = True) -> dict:
+    """One layout's numbers; band: its step time's and days' error band (plan.error_band),
+    for the presets (None for this machine, which the published runs do not validate)."""
     tokens_per_s = args.batch * shape.seq / q.seconds
     days = args.tokens / tokens_per_s / 86400
     gpu_hours = days * 24 * args.gpus
     watts = cluster.node_watts / cluster.gpus_per_node * args.gpus * cluster.pue
+    low, high = plan.error_band(q.seconds) if band else (None, None)
     return {
         "layout": asdict(q.layout),
         "seconds": q.seconds,
+        "seconds_band": [low, high] if band else None,
+        "days_band": [days * low / q.seconds, days * high / q.seconds] if band else None,
         "parts": q.parts,
         "memory_gb": {k: v / 1e9 for k, v in q.memory.items()},
         "tokens_per_s": tokens_per_s,
@@ -353,6 +362,21 @@ def _print(shape, cluster, args, rows, refused) -> None:
     memory = [q for q in refused if q.why_not[0].startswith("needs")]
     print(f"refused: {len(memory)} layouts do not fit in memory, {len(refused) - len(memory)} do")
     print("not divide the model, the batch or the GPUs")
+
+
+def _band(best: dict) -> None:
+    """The best layout's error band, and how it is drawn (nothing for this machine)."""
+    if best["seconds_band"] is None:
+        return
+    errors = statistics.quantiles(plan.VALIDATION_ERRORS.values(), n=10, method="inclusive")
+    (low, high), (dlow, dhigh) = best["seconds_band"], best["days_band"]
+    unit, scale = ("s", 1) if best["seconds"] >= 1 else ("ms", 1e3)
+    print(
+        f"band: the best step {low * scale:.2f} to {high * scale:.2f} {unit}, {dlow:.1f} to ",
+        end="",
+    )
+    print(f"{dhigh:.1f} days: the middle 80% of the planner's errors on")
+    print(f"{len(plan.VALIDATION_ERRORS)} published runs ({errors[0]:+.1%} to {errors[-1]:+.1%})")
 
 
 def _why(rows) -> None:
