@@ -10,6 +10,8 @@ step model prices tp across nodes on the cards and holds nothing proportional to
 from __future__ import annotations
 
 import math
+import os
+import re
 import time
 import tracemalloc
 from dataclasses import replace
@@ -134,3 +136,19 @@ def test_the_step_holds_nothing_proportional_to_the_gpu_count():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert parts["dp"] > 0 and seconds < 0.1 and peak < 1e6, (seconds, peak)
+
+
+def test_lesson_13s_bus_bandwidth_table_is_the_modules():
+    # | nodes | 1 GiB | 1 MiB |, DGX A100, 8 GPUs a node, at the calibrated network efficiency
+    here = os.path.dirname(os.path.abspath(__file__))
+    readme = open(os.path.join(here, "..", "lessons", "13_beyond_one_machine", "README.md")).read()
+    cell = r"(\d+) GB/s, (ring|tree)"
+    rows = re.findall(rf"^\| (\d+)[^|]* \| {cell} \| {cell} \|$", readme, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 8, 64], rows
+    eff = plan.calibrated(A100).network
+    for n, *cells in rows:
+        group = Group(8, int(n))
+        for size, (gbs, algorithm) in zip((1 << 30, MiB), (cells[:2], cells[2:]), strict=True):
+            seconds, chosen = network.collective_seconds(A100, "all_reduce", group, size, eff)
+            busbw = 2 * (group.p - 1) / group.p * size / seconds
+            assert (round(busbw / 1e9), chosen) == (int(gbs), algorithm), (n, size, busbw)
