@@ -6,7 +6,8 @@
     TransformerBlock  a pre-LayerNorm block, x + attn(ln1(x)), then + mlp(ln2(x))
     Embedding, Head   the layers around the blocks: tokens plus positions in, a LayerNorm and
                       the output layer out
-    held_elements     a layer's cut, and which of the full layer's elements the cut holds
+    recording_cut     a layer cut inside it, and which of the full layer's elements the cut
+                      holds
 
 The techniques cut this model (tensor parallelism: tensor_parallel/blocks.py and
 parallelize.py; context parallelism: context_parallel/; the main job: gpt/model.py builds it,
@@ -15,8 +16,9 @@ gpt/train.py applies each technique to it) and are checked against it.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -120,20 +122,24 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def held_elements(
-    layer: nn.Module, cut: Callable[[nn.Module], nn.Module]
-) -> tuple[nn.Module, torch.Tensor]:
-    """(cut(layer), which of layer's parameter elements, laid end to end, the cut holds, in
-    the order of its own parameters laid end to end). The same cut applied while the layer's
-    parameters hold their own element numbers (float64, for a moment) says which: cutting is
-    slicing, with no communication."""
-    params = list(layer.parameters())
-    values = [q.data for q in params]
+@contextlib.contextmanager
+def recording_cut(layers: nn.ModuleList, i: int, held: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Cut layer i inside (replace it, or its children): on leaving, held[i] says which of the
+    full layer's parameter elements (laid end to end) the cut layer holds, in the order of its
+    own parameters laid end to end. Inside, each parameter holds its elements' numbers
+    (float64) in place of its values; cutting is slicing (copies, no arithmetic), so the
+    numbers travel as the values would, and on leaving every parameter of the cut layer takes
+    the values its numbers name. One cut, no communication."""
+    params = list(layers[i].parameters())
+    full = torch.cat([q.detach().reshape(-1) for q in params])  # the values, laid end to end
     n = 0
     for q in params:  # each element its number in the layer's parameters laid end to end
         q.data = torch.arange(n, n + q.numel(), dtype=torch.float64).view(q.shape)
         n += q.numel()
-    numbered = [q.detach().reshape(-1) for q in cut(layer).parameters()]
-    for q, value in zip(params, values, strict=True):
-        q.data = value
-    return cut(layer), torch.cat(numbered).long()
+    try:
+        yield
+    finally:
+        cut = list(layers[i].parameters())
+        held[i] = torch.cat([q.detach().reshape(-1) for q in cut]).long()
+        for q, mine in zip(cut, held[i].split([q.numel() for q in cut]), strict=True):
+            q.data = full[mine].view(q.shape)

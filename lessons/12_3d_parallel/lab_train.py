@@ -74,7 +74,7 @@ from minidist.tensor_parallel.parallelize import apply_tp
 class Job:
     """One rank's composed training: its mesh, chunks (and their layer numbers), replicas,
     pipeline stage and program; built by build_job, stepped by loop.train_step. elements[i]:
-    which of layer i's full parameter elements this rank holds (each cut's held_elements, in
+    which of layer i's full parameter elements this rank holds (each cut's recording_cut, in
     turn), cut_over[i]: the mesh's axes it was cut over ("tp", "ep"), for this stage's layers
     i."""
 

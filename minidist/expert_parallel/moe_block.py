@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from minidist.expert_parallel.moe import SWITCH_ALPHA, ExpertParallelMoE, MoE
-from minidist.transformer import TransformerBlock, attention, held_elements
+from minidist.transformer import TransformerBlock, attention, recording_cut
 
 
 class AttachAux(torch.autograd.Function):
@@ -110,11 +110,12 @@ def parallel_block(block: MoEBlock, ep_comm) -> MoEBlock:
 def apply_ep(layers: nn.ModuleList, ep_comm) -> dict[int, torch.Tensor]:
     """Expert parallelism, in place: every MoEBlock's experts cut over ep_comm
     (parallel_block), the router on every rank. Returns {i: which of layer i's elements this
-    rank holds} (held_elements) for every block cut."""
+    rank holds} (recording_cut) for every block cut."""
     held = {}
     for i, layer in enumerate(layers):
         if isinstance(layer, MoEBlock):
-            layers[i], held[i] = held_elements(layer, lambda x: parallel_block(x, ep_comm))
+            with recording_cut(layers, i, held):
+                layers[i] = parallel_block(layer, ep_comm)
     return held
 
 

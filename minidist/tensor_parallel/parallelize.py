@@ -17,7 +17,7 @@ from torch import nn
 
 from minidist.tensor_parallel.blocks import ParallelTransformerBlock, VocabParallelEmbedding
 from minidist.tensor_parallel.layers import ColumnParallelLinear
-from minidist.transformer import Embedding, Head, TransformerBlock, held_elements
+from minidist.transformer import Embedding, Head, TransformerBlock, recording_cut
 
 
 def apply_tp(layers: nn.ModuleList, tp_comm) -> dict[int, torch.Tensor]:
@@ -28,15 +28,16 @@ def apply_tp(layers: nn.ModuleList, tp_comm) -> dict[int, torch.Tensor]:
     vocabulary-parallel cross-entropy. The positions and the LayerNorms are replicated: every
     tp rank computes, and gets, the same gradients for them. Any other layer (a block with
     experts) is left whole. Returns {i: which of layer i's elements this rank holds}
-    (held_elements) for every layer cut."""
-    cuts = {
-        Embedding: lambda x: Embedding(VocabParallelEmbedding.from_full(x.tokens, tp_comm),
-                                       x.positions),
-        TransformerBlock: lambda x: ParallelTransformerBlock.from_full(x, tp_comm),
-        Head: lambda x: Head(x.norm, ColumnParallelLinear.from_full(x.out, tp_comm)),
-    }  # fmt: skip
+    (recording_cut) for every layer cut."""
     held = {}
     for i, layer in enumerate(layers):
-        if type(layer) in cuts:
-            layers[i], held[i] = held_elements(layer, cuts[type(layer)])
+        if not isinstance(layer, (Embedding, Head, TransformerBlock)):
+            continue  # a block with experts
+        with recording_cut(layers, i, held):
+            if isinstance(layer, Embedding):
+                layer.tokens = VocabParallelEmbedding.from_full(layer.tokens, tp_comm)
+            elif isinstance(layer, Head):
+                layer.out = ColumnParallelLinear.from_full(layer.out, tp_comm)
+            elif isinstance(layer, TransformerBlock):
+                layers[i] = ParallelTransformerBlock.from_full(layer, tp_comm)
     return held
