@@ -87,6 +87,9 @@ def test_the_json_lists_the_refusal_reasons_with_their_counts(capsys):
     assert code == 2 and got["layouts"] == []
     reasons = {r["reason"]: r["layouts"] for r in got["refused"]}
     assert reasons["batch=512 is not divisible by dp=2 x b=3"] > 0, reasons
+    code, out, _ = run_cli(capsys, "--tp", "3", "--json")  # refused before any layout is priced
+    got = json.loads(out)
+    assert code == 2 and got["problems"] == ["--tp=3 does not divide --gpus=64"], got
     code, out, _ = run_cli(capsys, "--model", "llama-7b", "--json")  # runs: reasons all the same
     got = json.loads(out)
     assert code == 0 and got["layouts"] and got["refused"][0]["layouts"] > 0

@@ -17,9 +17,10 @@ PUE: an upper bound) and the cost; the best one's error band (plan.error_band: w
 would fall were the planner as wrong as on the middle 80% of the 42 published runs it was
 checked on; --json: every layout's seconds_band and days_band); then why the best one wins,
 and how many layouts were refused for which reason (--json: "refused", each reason with its
-count; also when none runs). Bad input is refused with one line per reason (exit 2): every
-number is read here (numbers) and one outside LIMITS is refused with its value before any work;
-a picked dp, pp or tp that cannot divide the GPUs is refused with the numbers (pick_problems).
+count, also when none runs; "problems": the input's, when it is refused before any layout).
+Bad input is refused with one line per reason (exit 2): every number is read here (numbers) and
+one outside LIMITS is refused with its value before any work; a picked dp, pp or tp that cannot
+divide the GPUs is refused with the numbers (pick_problems).
 `--cluster this` is this computer, one rank per core, as cluster/calibrate.py measures it: alpha and
 B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
 own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
@@ -226,6 +227,8 @@ def _allowed(args, layout: plan.Layout) -> bool:
 def main(args: argparse.Namespace) -> int:
     shape, cluster, found = _inputs(args)
     if found:
+        if args.json:  # the same reasons, for a script: no layout was priced
+            print(json.dumps({"layouts": [], "refused": [], "problems": found}))
         for line in found:
             print(f"minidist plan: {line}", file=sys.stderr)
         return 2
