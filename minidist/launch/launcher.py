@@ -15,7 +15,8 @@ as MASTER_PORT, with TORCHELASTIC_USE_AGENT_STORE=True so that every rank, rank 
 as a client. No port is ever released between being chosen and being bound. (Choosing a free
 port, releasing it and letting rank 0 bind it seconds later lets anything take it in between:
 another job's store, or the local end of any TCP connection, which the OS draws from the same
-range. Then rank 0 fails with "Address already in use".)
+range. Then rank 0 fails with "Address already in use".) mpi has no such gap: mpiexec binds its
+own sockets as the OS chooses their ports and hands each rank an open connection (PMI_FD).
 Lesson: lessons/01_processes_p2p/ (launch), lessons/03_debugging_hangs/ (the watchdog).
 """
 
