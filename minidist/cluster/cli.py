@@ -255,8 +255,8 @@ def main(args: argparse.Namespace) -> int:
     reasons = [{"reason": why, "layouts": n} for why, n in _reasons(refused).most_common()]
     if not ok:
         if args.json:
-            print(json.dumps({"model": asdict(shape), "cluster": cluster.name, "layouts": []}
-                             | {"refused": reasons}))  # fmt: skip
+            got = {"model": asdict(shape), "cluster": cluster.name, "layouts": []}
+            print(json.dumps(got | {"refused": reasons}))
         _refuse_all(shape, cluster, args, refused)
         return 2
     measured = machine.measured() if machine else None  # --cluster this
