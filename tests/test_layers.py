@@ -58,6 +58,7 @@ MODULES = {
     "mesh": "foundation",
     "memory": "foundation",
     "transformer": "foundation",
+    "replicas": "foundation",  # the Replicas interface the replica techniques fill in
     "bench": "foundation",
     "cli": "composition",
     "testing": "harness",

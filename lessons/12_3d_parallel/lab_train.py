@@ -34,8 +34,11 @@ once, full, then each technique's own apply function on what the one before left
   3. expert       every block's experts shared out over ep_comm     expert_parallel/moe_block.py
      (recompute   every block's activations recomputed in backward  checkpointing/blocks.py)
   4. pipeline     this stage's layers, as chunks for the schedule    pipeline/chunks.py
-  5. data         data parallel or ZeRO over dp (dp x cp)            replicas.apply_replicas
-  6. precision    in the run's precision: amp's masters and scale    replicas.py
+  5. data         data parallel or ZeRO over dp (dp x cp)            data_parallel/replicas.py,
+                  (with experts: every gradient over its replicas)   zero/replicas.py,
+  6. precision    in the run's precision: amp's masters and scale    mixed_precision/replicas.py
+One interface (minidist/replicas.py: Replicas) whichever step 5 is; expert_parallel/moe_block.py
+holds the experts' apply_expert_dp.
 The cuts come first: data parallelism and ZeRO must see the parameters each rank really holds.
 The data-parallel step comes after the whole pipeline step: the pipeline accumulates each
 chunk's gradients over its microbatches first. The skip of a step whose gradients overflowed
@@ -54,20 +57,24 @@ from torch import nn
 
 from minidist.checkpointing.blocks import apply_recompute
 from minidist.context_parallel.parallelize import apply_cp
-from minidist.expert_parallel.moe_block import MoEBlock, apply_ep, group_blocks
+from minidist.data_parallel.replicas import apply_dp
+from minidist.expert_parallel.moe_block import MoEBlock, apply_ep, apply_expert_dp, group_blocks
 from minidist.gpt import model as gpt
 from minidist.gpt import moe
 from minidist.gpt.config import DTYPES, TrainConfig
 from minidist.gpt.data import load_bytes
 from minidist.gpt.loop import run, train_step
-from minidist.gpt.replicas import Replicas, apply_replicas
+from minidist.gpt.optimizer import decay_groups, grouped_optimizer, make_optimizer, make_scaler
 from minidist.large_batches.lr import WarmupDecay
 from minidist.mesh import Mesh, make_mesh
+from minidist.mixed_precision.replicas import apply_amp
 from minidist.pipeline.chunks import apply_pp
 from minidist.pipeline.schedules import build_schedules
 from minidist.pipeline.stage import PipelineStage
+from minidist.replicas import Replicas
 from minidist.tensor_parallel.layers import vocab_parallel_cross_entropy
 from minidist.tensor_parallel.parallelize import apply_tp
+from minidist.zero.replicas import apply_zero
 
 
 @dataclass
@@ -104,6 +111,7 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     if observe is not None:
         mesh = _observed(mesh, observe)
     _, s, _ = mesh.coords
+    scaler = make_scaler(config.amp)  # the loss scale every loss carries (fp16: dynamic)
     layers = gpt.GPT(config.model, DTYPES[config.dtype]).layers  # the plain model, full, once
     elements = {i: torch.arange(n) for i, n in enumerate(gpt.layer_costs(config.model))}
     cut_over = {i: [] for i in elements}
@@ -112,21 +120,13 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
         "Lab 12.4: the techniques in order, each applied to what the one before left"
     )
     # lab 12.4 end
+    stage.on_backward = replicas.on_backward  # after every backward op (ZeRO-2/3 reduce)
     for axis, cuts in held.items():  # which full elements each cut left this rank, in turn
         for i, mine in cuts.items():
             elements[i] = elements[i][mine]
             cut_over[i].append(axis)
     # each microbatch's auxiliary loss weighs 1/m, as its loss (pipeline/stage.py); the replicas
-    group_blocks(replicas.module, None, 1 / config.microbatches)  # divide by dp cp
-
-    def loss_fn(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # logits_local: (b, T, V/tp); the loss in float32 at least, scaled for fp16
-        logits = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
-        return vocab_parallel_cross_entropy(logits, targets, mesh.tp_comm).mean() * replicas.scale
-
-    stage = PipelineStage(
-        chunks, mesh.pp_comm, loss_fn, tracer=tracer, on_backward=replicas.on_backward
-    )
+    group_blocks(module, None, 1 / config.microbatches)  # divide by dp cp
     ids = sum(layer_ids, [])
     return Job(
         config,

@@ -9,7 +9,8 @@ Communication per block and microbatch: ExpertParallelMoE's (three all-to-alls f
 backward: moe.py); none while applying.
 Memory per rank: the block's dense weights, the router (E D), E/ep experts.
 Ladder: MoEBlock (attention, then MoE; the auxiliary loss attached to the output) ->
-parallel_block (the experts cut over ep_comm) -> apply_ep (every block of the layers).
+parallel_block (the experts cut over ep_comm) -> apply_ep (every block of the layers) ->
+apply_expert_dp (every gradient averaged over its own replicas: minidist/replicas.py).
 Paper: Fedus, Zoph, Shazeer, Switch Transformers (JMLR 2022), section 2.2; Lepikhin et al.,
 GShard (ICLR 2021), section 2.2; Megatron-LM's MoEAuxLossAutoScaler (megatron/core/
 transformer/moe/moe_utils.py) for attaching the auxiliary loss to an activation.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.expert_parallel.moe import SWITCH_ALPHA, ExpertParallelMoE, MoE
+from minidist.expert_parallel.moe import SWITCH_ALPHA, ExpertParallelMoE, MoE, sync_grads
+from minidist.replicas import Replicas, held_nbytes
 from minidist.transformer import TransformerBlock, attention, recording_cut
 
 
@@ -128,3 +130,34 @@ def group_blocks(
         if isinstance(block, MoEBlock):
             block.group_tokens, block.aux_weight = group_tokens, aux_weight
             block.order = order
+
+
+def apply_expert_dp(module: nn.ModuleList, mesh, adamw, scaler) -> Replicas:
+    """Data parallel replicas of layers with experts (fp32, no ZeRO: the main job's step 5),
+    stepped by adamw on each rank: the step sums each gradient over its replicas by hand
+    (dense: mesh.grad_comm, dp x cp; each block's router: ep, edp, cp, every rank; its
+    experts: edp, cp), then divides all by dp cp: their mean. Checkpoints are refused."""
+    moes = [m for m in module.modules() if isinstance(m, (MoE, ExpertParallelMoE))]
+    routed = {id(q) for moe in moes for q in moe.parameters()}
+    dense = [q for q in module.parameters() if id(q) not in routed]
+    replicas = mesh.dp_comm if mesh.edp_comm is None else mesh.edp_comm  # ep = 1: all of dp
+    n = mesh.grad_comm.world_size  # dp x cp: every rank whose loss the mean is over
+
+    def update() -> bool:
+        for q in dense:
+            if q.grad is None:  # every rank must reduce the same tensors
+                q.grad = torch.zeros_like(q)
+            mesh.grad_comm.all_reduce(q.grad, "sum")
+        for moe in moes:
+            sync_grads(moe, mesh.ep_comm, replicas)
+            sync_grads(moe, None, mesh.cp_comm)  # router and experts: cp saw other tokens
+        for q in module.parameters():
+            q.grad.div_(n)  # sums over every dp (x cp) rank's loss: the mean
+        adamw.step()
+        return True
+
+    def refused(*_):
+        raise ValueError("checkpoints of a run with experts are not supported")
+
+    held = lambda: held_nbytes(module, adamw, [])  # noqa: E731
+    return Replicas(module, adamw, scaler, update, adamw.zero_grad, refused, refused, held)

@@ -5,7 +5,6 @@ model.py        the plain GPT, built once, full, of minidist/transformer.py's la
 data.py         the shipped text (data/sonnets.txt), as batches
 train.py        build_job: each technique's apply_* in order; predicted_nbytes: what they send
 context.py      the batch's tokens as the cp ranks hold them; moe.py: what experts refuse
-replicas.py     data parallelism or ZeRO, in the run's precision, behind one interface
 optimizer.py    AdamW with GPT's weight decay, and the loss scale
 loop.py         the one training loop (run) and one step of the composed job
 reference.py    the single-process run every layout must equal

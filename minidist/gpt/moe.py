@@ -11,14 +11,14 @@ auxiliary loss weighted 1 / (dp m cp) per group (the mean over groups).
 float64: losses 1e-12 relative, parameters 1e-10 (tests/test_train.py).
 Communication per step, per rank (ep ranks on ep_comm): per block and microbatch, that of
 ExpertParallelMoE (three all-to-alls forward, two backward: expert_parallel/moe.py); at the step's
-end replicas.experts all-reduces every gradient once: the dense ones and the routers' over
+end moe_block.apply_expert_dp all-reduces every gradient once: the dense ones and the routers' over
 dp x cp (the routers' as ep, edp, then cp), the experts' over edp then cp, their replicas. On
 the dp counter (dp x cp and edp count as dp): 8 + f Psi_r bytes, Psi_r the rank's parameters
 (dp_nbytes); on ep the routers' f E D per block and the all-to-alls (what the routers decide).
 Memory per rank: the blocks' dense weights, the routers (E D each), E/ep experts per block.
 Ladder: MoEBlock (attention, then MoE; the auxiliary loss attached to the output) ->
-parallel_block (the experts cut over ep_comm) -> replicas.experts (gradients averaged
-over their own replicas); moe_block.py holds the first two.
+parallel_block (the experts cut over ep_comm) -> apply_expert_dp (gradients averaged
+over their own replicas): moe_block.py holds all three.
 Paper: Fedus, Zoph, Shazeer, Switch Transformers (JMLR 2022), section 2.2; Lepikhin et al.,
 GShard (ICLR 2021), section 2.2; Megatron-LM's MoEAuxLossAutoScaler (megatron/core/
 transformer/moe/moe_utils.py) for attaching the auxiliary loss to an activation.
@@ -56,5 +56,5 @@ def problems(config) -> list[str]:
 def dp_nbytes(params: list, f: int) -> int:
     """Payload bytes a rank hands the dp counter per step with experts: the loss's 8 (float64),
     then every gradient it holds once, in f-byte elements (the dense ones over dp x cp, each
-    router's and this rank's experts' over their replicas: replicas.experts sends no flags)."""
+    router's and this rank's experts' over their replicas: apply_expert_dp sends no flags)."""
     return 8 + f * sum(q.numel() for q in params)

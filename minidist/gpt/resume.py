@@ -33,8 +33,8 @@ import torch
 
 from minidist.gpt import model as gpt
 from minidist.gpt.gather import cut_comms, flat_full, to_stage_zero
-from minidist.gpt.replicas import MOMENTS
 from minidist.gpt.train import Job
+from minidist.replicas import MOMENTS
 
 MAGIC = b"minidist-checkpoint 1 sha256="
 KEYS = ("value", *MOMENTS)  # per parameter element, in this order

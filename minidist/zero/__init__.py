@@ -7,5 +7,6 @@ gatherer.py  ZeRO-3: a unit gathered before its module runs and freed after, pre
              freed parameter that refuses to be read
 state.py     the optimizer state consolidated, saved and resharded to another world size
 cost.py      the bytes each stage holds and sends, as formulas
+replicas.py  apply_zero: the main job's stage as ZeRO replicas (minidist/replicas.py)
 bench.py     `minidist bench zero`
 """
