@@ -57,8 +57,9 @@ def apply_cp(layers: nn.ModuleList, cp_comm) -> None:
     block (a layer with an attn: dense or with experts) attends over the ring of cp_comm. The
     parameters stay the same tensors."""
     for layer in layers:
+        if hasattr(layer, "attn"):
+            layer.attn = RingSelfAttention(layer.attn, cp_comm)
+    for layer in layers:
         if isinstance(layer, Embedding):
             mine = positions(layer.positions.num_embeddings, cp_comm.world_size, cp_comm.rank)
             layer.where = mine.to(layer.positions.weight.device)
-        elif hasattr(layer, "attn"):
-            layer.attn = RingSelfAttention(layer.attn, cp_comm)
