@@ -194,6 +194,31 @@ def time_columns(comm, calls: dict, iters: int, warmup: int = 1, fill=None) -> d
     }
 
 
+def time_interleaved(comm, calls: dict, rounds: int, warmup: int = 1) -> dict:
+    """{name: median seconds, the slowest rank's} of implementations of one step timed in turn,
+    one call each per round, so that a machine that speeds up or slows down during the run
+    weighs on every column alike (the fair way to quote a ratio on a shared machine); None
+    where calls[name] is None."""
+    ready = {name: fn for name, fn in calls.items() if fn is not None}
+    for fn in ready.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in ready}
+    for _ in range(rounds):
+        for name, fn in ready.items():
+            comm.barrier()  # start together, as time_it
+            t0 = time.perf_counter()
+            fn()
+            if device_of(comm).type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    found = {name: None for name in calls}
+    for name, seen in times.items():
+        worst = torch.tensor([statistics.median(seen)], dtype=torch.float64)
+        found[name] = comm.all_reduce(worst, "max").item()
+    return found
+
+
 def max_over_ranks(comm, value: float) -> float:
     """The largest of every rank's value (the busiest rank's bytes, the slowest one's time)."""
     return comm.all_reduce(torch.tensor([float(value)], dtype=torch.float64), "max").item()

@@ -150,3 +150,19 @@ def test_bench_moe_library_all_to_all(capfd):
     got = report(capfd.readouterr().out)
     (row,) = got["dispatch"]
     assert row["same"] and row["library_us"] > 0 and row["sent"] == row["formula"], row
+
+
+@pytest.mark.processes
+def test_bench_dp_times_torch_ddp_on_the_same_group(capfd):
+    """bench dp's torch DDP column: PyTorch's DistributedDataParallel on the gloo group the
+    bucketed rung uses, timed in the same interleaved rounds; the ratio from those columns.
+    Threads have no torch process group: no column, no ratio."""
+    argv = ["bench", "dp", "-n", "2", "--layers", "1", "--width", "8", "--batch", "2"]
+    assert main([*argv, "--backend", "gloo", "--steps", "2", "--json"]) == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    row = json.loads(lines[-1])
+    assert row["torch_ddp"] > 0 and row["bucketed_library"] > 0
+    assert row["ddp_ratio"] == pytest.approx(row["bucketed_library"] / row["torch_ddp"])
+    assert main([*argv, "--backend", "threads", "--steps", "1", "--json"]) == 0
+    row = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert row["torch_ddp"] is None and row["ddp_ratio"] is None

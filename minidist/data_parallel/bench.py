@@ -10,9 +10,13 @@ so the per-rank work is the same in every row of the table:
     comm          all-reducing the gradient buckets alone, no compute
     naive         DataParallelNaive: backward, then one all-reduce per parameter
     bucketed      DataParallelBucketed: buckets all-reduced during backward (library and ring)
+    torch DDP     torch.nn.parallel.DistributedDataParallel on the same process group, with the
+                  same bucket size (gloo and nccl; '-' elsewhere): the ratio bucketed / DDP
 
 overlap = (compute + comm - bucketed) / comm: the share of communication hidden behind
-backward (1: all of it, 0: none). efficiency = one process / bucketed: weak scaling. A sweep
+backward (1: all of it, 0: none). efficiency = one process / bucketed: weak scaling. The
+implementations' columns are timed in interleaved rounds (one step of each per round, medians),
+so a shared machine's drift weighs on them alike. A sweep
 of bucket sizes shows the trade-off: small buckets start early but pay the latency term per
 collective; large ones pay it once but start late. Times are medians over --steps steps after
 a barrier, the slowest rank's; measured side by side in one run on a shared machine.
@@ -26,7 +30,7 @@ import sys
 import torch
 from torch import nn
 
-from minidist.bench import Bench, rank_main, time_columns, time_it
+from minidist.bench import Bench, rank_main, time_columns, time_interleaved, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel.wrappers import DataParallelBucketed, DataParallelNaive
 
@@ -69,6 +73,13 @@ def measure(comm, args) -> dict:
     for algorithm, dp in bucketed.items():
         steps[f"bucketed_{algorithm}"] = train_step(dp, x, dp.finish_gradient_sync)
     row = time_columns(comm, steps, args.steps)
+    ddp = torch_ddp(comm, args)
+    rivals = {
+        "bucketed_library": steps["bucketed_library"],
+        "torch_ddp": None if ddp is None else train_step(ddp, x),
+    }
+    row.update(time_interleaved(comm, rivals, args.steps))
+    row["ddp_ratio"] = row["bucketed_library"] / row["torch_ddp"] if ddp is not None else None
     hidden = row["compute"] + row["comm"] - row["bucketed_library"]
     row["overlap"] = max(0.0, min(1.0, hidden / row["comm"]))
     row["efficiency"] = row["one_process"] / row["bucketed_library"]
@@ -79,6 +90,19 @@ def measure(comm, args) -> dict:
         row.setdefault("buckets", {})[nbytes] = len(dp.buckets)
     row["bytes_per_step"], row["bytes_formula"] = ring_bytes(comm, args, x)
     return row
+
+
+def torch_ddp(comm, args) -> nn.Module | None:
+    """PyTorch's DistributedDataParallel over comm's own process group (gloo, nccl), with the
+    bucket size of the bucketed rung; None on a backend without one (threads, mpi)."""
+    group = getattr(comm, "group", False)
+    if group is False:
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        mlp(args.layers, args.width), process_group=group, bucket_cap_mb=args.bucket / 2**20
+    )
 
 
 def ring_bytes(comm, args, x) -> tuple[int, float]:
@@ -105,6 +129,8 @@ def report(row: dict, args) -> str:
         f"  naive             {_ms(row['naive'])}",
         f"  bucketed library  {_ms(row['bucketed_library'])}",
         f"  bucketed ring     {_ms(row['bucketed_ring'])}",
+        f"  torch DDP         {_ms(row['torch_ddp']) if row['torch_ddp'] else '        -'}"
+        + (f"   bucketed / DDP {row['ddp_ratio']:.2f}" if row["ddp_ratio"] else ""),
         f"  overlap {row['overlap']:.2f}   scaling efficiency {row['efficiency']:.2f}",
         f"  ring bytes sent per step {row['bytes_per_step']:,} "
         f"(formula 2(p-1)/p (N+P) * 4 = {row['bytes_formula']:,.0f})",
