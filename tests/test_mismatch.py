@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from minidist.comm import frames, torchdist
+from minidist.comm.agreement import signature
 from minidist.comm.protocol import CommError
 from minidist.launch.init import _torch_env
 from minidist.testing import impl, run_ranks
@@ -132,9 +133,27 @@ def debug_drills(comm) -> dict[str, str]:
     return {"ring under debug mode": "ok" if ring_ok else f"wrong: {x[:4]}", "stale": stale}
 
 
+def plan_drills(comm) -> dict[str, str]:
+    """A comm that trusts a plan (agreement.trust, mpi and gloo): plans that differ are refused
+    on every rank; a call off the plan is refused on its rank; calls on it sum right."""
+    r, p = comm.rank, comm.world_size
+    four, five = signature("all_reduce", torch.ones(4), op="sum"), "all_reduce(other)"
+    seen = {"plans differ": attempt(lambda: comm.split(0).trust([four if r else five]))}
+    own = comm.split(0)
+    own.trust([four, four])
+    x = torch.ones(4)
+    own.all_reduce(x)
+    seen["off the plan"] = attempt(lambda: own.all_reduce(torch.ones(5)))
+    own.all_reduce(x)  # the plan's second call: still in step
+    seen["on the plan"] = "ok" if torch.equal(x, torch.full((4,), float(p * p))) else f"{x}"
+    return seen
+
+
 def all_drills(comm) -> dict[str, str]:
     comm.timeout = 10.0  # a drill that hangs fails in seconds, not minutes
     seen = collective_drills(comm) | message_drills(comm) | debug_drills(comm)
+    if hasattr(comm, "trust"):
+        seen |= plan_drills(comm)
     x = torch.full((5,), float(comm.rank))
     comm.all_reduce(x)  # still in step after every error above
     seen["after"] = "ok" if torch.equal(x, torch.full((5,), 3.0)) else f"wrong: {x}"
@@ -159,6 +178,15 @@ def test_misuse_is_an_error_never_wrong_numbers(backend):
         tag4 = r"rank 0 sent rank 1 (\d+) messages with tag 4, rank 1 posted (\d+) receives"
         stale = re.search(tag4 + r" with tag 4 from rank 0: message #(\d+) is not", s["stale"])
         assert stale and int(stale[1]) == int(stale[2]) + 1 == int(stale[3]), s["stale"]
+        if backend != "threads":  # threads checks every call at its meeting point: no plans
+            assert s["plans differ"].startswith("CollectiveMismatch: collective #"), s
+            assert "trust(1 collectives, sha1 " in s["plans differ"], s["plans differ"]
+            off = "called all_reduce(shape=(5,), float32, op=sum) where the agreed plan expects "
+            assert (
+                off + "all_reduce(shape=(4,), float32, op=sum) (call 1 of its 2)"
+                in (s["off the plan"])
+            ), s["off the plan"]
+            assert s["on the plan"] == "ok", s
     receiver = seen[1]
     assert "int32" in receiver["int32 into float32"] and "float32" in receiver["int32 into float32"]
     n = BULK + 1

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from minidist.collectives.overlap import Launcher
+from minidist.comm.agreement import signature
 
 
 def shard(batch: torch.Tensor, comm) -> torch.Tensor:
@@ -170,7 +171,6 @@ class DataParallelBucketed(nn.Module):
     ):
         super().__init__()
         self.module, self.comm = module, comm
-        self.launcher = Launcher(comm, algorithm)
         self.views_as_grads = grads_as_bucket_views
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
         self.buckets = []
@@ -183,9 +183,23 @@ class DataParallelBucketed(nn.Module):
         self.next_launch = 0
         self.sync = True
         broadcast_module(module, comm)
+        self.launcher = Launcher(self._bucket_comm(comm, algorithm), algorithm)
         for p in params:
             # fires once per backward, after p.grad holds this backward's full gradient
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _bucket_comm(self, comm, algorithm: str):
+        """Where the buckets are all-reduced. The library's collectives agree on their signature
+        before they move a byte (lesson 03), a second meeting of the ranks per bucket; every
+        step launches the same buckets in the same order, so on a comm of their own (a copy of
+        comm) that plan is agreed once, here, and each launch is checked against it on its own
+        rank (comm.trust). The ring, and the threads world, which checks every call at its
+        meeting point, use comm itself."""
+        if algorithm != "library" or not hasattr(comm, "trust") or not self.buckets:
+            return comm
+        own = comm.split(0)
+        own.trust([signature("all_reduce", bucket.flat, op="sum") for bucket in self.buckets])
+        return own
 
     def forward(self, *args, **kwargs):
         broadcast_module(self.module, self.comm, buffers_only=True)

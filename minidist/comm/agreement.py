@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
@@ -96,11 +97,58 @@ def start_collective(
     extra = (("op", op),) if op is not None else (("src", src),) if src is not None else ()
     what = _what(name, extra)
     shape, dtype = (None, None) if inp is None else (inp.shape, inp.dtype)
-    rows = agree(comm, _signature(name, shape, dtype, extra), lambda row: gather(row, what), inp)
+    sig = _signature(name, shape, dtype, extra)
+    if comm.plan is not None:  # agreed once for the whole sequence (trust): checked here alone
+        comm.plan.check(comm, sig)
+        return False
+    rows = agree(comm, sig, lambda row: gather(row, what), inp)
     if rows is None:
         return False
     finish_fused(comm, rows, name, out, op or "sum", src or 0)
     return True
+
+
+class AgreedPlan:
+    """The library collectives a comm will be called for, in this order, over and over (a
+    data-parallel step's bucket all-reduces), agreed by every rank once (trust) instead of
+    before each one. Each call is checked against the plan on its own rank: a call off the plan
+    raises CollectiveMismatch there, naming the call and what the plan expected, before any
+    buffer is touched; the other ranks then wait in the plan's next collective until their
+    timeout names it. So the promise stands (no rank folds a mismatched call), and a step's
+    bucket all-reduces cost what the library's do (lesson 04: one synchronisation each, not two).
+    """
+
+    def __init__(self, signatures: list[str]):
+        if not signatures:
+            raise ValueError("an agreed plan needs at least one collective")
+        self.signatures = list(signatures)
+        self.next = 0
+
+    def check(self, comm, sig: str) -> None:
+        want = self.signatures[self.next]
+        if sig != want:
+            raise CollectiveMismatch(
+                f"rank {comm.rank}: called {sig} where the agreed plan expects {want} (call "
+                f"{self.next} of its {len(self.signatures)}): a comm that trusts a plan serves "
+                f"that plan's collectives alone, in its order"
+            )
+        self.next = (self.next + 1) % len(self.signatures)
+
+
+def trust(comm, signatures: list[str], gather: Callable) -> None:
+    """Agree once, with every rank of comm, on the collectives it will be called for from now
+    on (signatures, in order, repeating), then skip the per-call agreement for them (see
+    AgreedPlan). Collective. CollectiveMismatch on every rank if the ranks' plans differ."""
+    plan = AgreedPlan(signatures)
+    text = "trust(" + ", ".join(plan.signatures) + ")"
+    digest = f"trust({len(plan.signatures)} collectives, sha1 {_sha1(text)})"
+    comm.seq += 1
+    agree(comm, digest, lambda row: gather(row, "trust"))
+    comm.plan = plan
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=256)

@@ -38,6 +38,7 @@ import torch
 
 from . import leftovers
 from .agreement import slot_bytes, start_collective
+from .agreement import trust as _trust
 from .exits import LOOK_EVERY, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
@@ -194,6 +195,7 @@ class MPIComm(Blocking):
         self.timeout = timeout
         self.seq = 0
         self.collectives = 0  # collectives issued: the number a mismatch is reported with
+        self.plan = None  # an AgreedPlan (trust): its collectives skip the per-call agreement
         self.to_self = SelfMessages(self)
         leftovers.watch(self)  # at exit: a message no receive took is an error
 
@@ -344,6 +346,12 @@ class MPIComm(Blocking):
     def barrier(self) -> None:
         # an all-gather: no rank leaves before all arrive
         start_collective(self, self._gather, "barrier")
+
+    def trust(self, signatures: list[str]) -> None:
+        """Agree once, with every rank, on the library collectives this comm will serve from now
+        on, in this order, repeating (agreement.trust): each is then checked on its own rank
+        alone, without an agreement of its own. Collective."""
+        _trust(self, signatures, self._gather)
 
     def _gather(self, row: bytes, what: str) -> bytearray:
         """Every rank's row of a collective's agreement (agreement.start_collective), rank after

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import frames, leftovers
 from .agreement import slot_bytes, start_collective
+from .agreement import trust as _trust
 from .exits import StoreJob, left_words
 from .protocol import (
     DEFAULT_TIMEOUT,
@@ -214,6 +215,7 @@ class TorchDistComm(Blocking):
         self.world_size = dist.get_world_size(group)
         self.seq = 0
         self.collectives = 0  # collectives issued: the number a mismatch is reported with
+        self.plan = None  # an AgreedPlan (trust): its collectives skip the per-call agreement
         self.to_self = SelfMessages(self)
         self.sending: list[_TorchWork] = []  # sends not yet waited for (see isend)
         self.spares = frames.Spares(device)  # frame buffers to use again
@@ -379,6 +381,12 @@ class TorchDistComm(Blocking):
     def barrier(self) -> None:
         # an all-gather: no rank leaves before all arrive
         start_collective(self, self._gather, "barrier")
+
+    def trust(self, signatures: list[str]) -> None:
+        """Agree once, with every rank, on the library collectives this comm will serve from now
+        on, in this order, repeating (agreement.trust): each is then checked on its own rank
+        alone, without an agreement of its own. Collective."""
+        _trust(self, signatures, self._gather)
 
     def _gather(self, row: bytes, what: str):
         """Every rank's row of a collective's agreement (agreement.start_collective), rank after
