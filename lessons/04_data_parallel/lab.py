@@ -183,7 +183,8 @@ class DataParallelBucketed(nn.Module):
         self.next_launch = 0
         self.sync = True
         broadcast_module(module, comm)
-        self.launcher = Launcher(self._bucket_comm(comm, algorithm), algorithm)
+        own = self._bucket_comm(comm, algorithm)  # the buckets' own comm (the plan agreed)
+        self.launcher = Launcher(own, algorithm)
         for p in params:
             # fires once per backward, after p.grad holds this backward's full gradient
             p.register_post_accumulate_grad_hook(self._on_grad)
