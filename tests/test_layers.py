@@ -50,6 +50,7 @@ PACKAGES = {
     "minidist.context_parallel": "technique",
     "minidist.gpt": "composition",  # the main job: model, data, train, reference, resume, cli
     "minidist.cluster": "composition",  # the simulator runs every technique's code
+    "minidist.conform": "composition",  # the conformance kit: checks that run every technique
 }
 
 # the modules directly in minidist/, by name

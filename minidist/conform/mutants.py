@@ -1,0 +1,266 @@
+"""Mutants: minidist's adapter (ours.py) with one classic bug planted, to show the kit judges
+well. Every one must fail at least one check of its capability; the share that does is the
+mutation score, printed with the seconds each took:
+
+    .venv/bin/python -m minidist.conform.mutants            # every mutant, on threads
+    minidist conform minidist.conform.mutants:avg_as_sum     # one of them, as any adapter
+
+Each mutant is an object holding ours.py's functions with one replaced (the adapter interface
+accepts `module:name`); MUTANTS says which capability it belongs to and what the bug is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from minidist.collectives import algorithms as C
+from minidist.comm.protocol import reduce_
+from minidist.conform import ours
+from minidist.conform.registry import CAPABILITIES
+from minidist.conform.runner import run_threads
+from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from minidist.tensor_parallel.mappings import GatherFromRegion, ScatterToRegion, f, g
+
+
+def _like_ours(**changes) -> SimpleNamespace:
+    """ours.py's adapter with `changes` in place of its functions."""
+    public = {k: v for k, v in vars(ours).items() if not k.startswith("_")}
+    return SimpleNamespace(**(public | changes))
+
+
+# ---- collectives -------------------------------------------------------------------------------
+
+
+def _avg_as_sum(comm, tensor, op):
+    return C.ring_all_reduce(tensor, comm, "sum" if op == "avg" else op)  # bug: never divides
+
+
+def _remainder_dropped(comm, tensor, op):
+    n = tensor.numel() // comm.world_size * comm.world_size  # bug: x.split(N // p)[:p]
+    C.ring_all_reduce(tensor.reshape(-1)[:n], comm, op)
+    return tensor
+
+
+def _blocking_ring(comm, tensor, op):
+    """A ring all-reduce of whole tensors (p-1 steps) in which every rank sends before it
+    receives, with blocking sends: with rendezvous sends every rank waits for its neighbour."""
+    p, r = comm.world_size, comm.rank
+    acc, passing, got = tensor.clone(), tensor.clone(), torch.empty_like(tensor)
+    for _ in range(p - 1):
+        comm.send(passing, (r + 1) % p)  # bug: everyone sends first
+        comm.recv(got, (r - 1) % p)
+        reduce_(acc, got, "sum" if op == "avg" else op)
+        passing.copy_(got)
+    return acc / p if op == "avg" else acc
+
+
+def _wrong_chunk(comm, tensor, op):
+    p, r = comm.world_size, comm.rank
+    buf = tensor.detach().clone().reshape(-1)
+    C.ring_reduce_scatter_flat(buf, comm, op)
+    lo, hi = C.chunk_bounds(buf.numel(), p)[(r + 1) % p]  # bug: the neighbour's, half reduced
+    return buf[lo:hi] / p if op == "avg" else buf[lo:hi]
+
+
+def _reversed_gather(comm, chunk, shape):
+    p = comm.world_size
+    flat = C.ring_all_gather(chunk.new_empty(shape), chunk, comm).reshape(-1)
+    pieces = [flat[lo:hi] for lo, hi in C.chunk_bounds(flat.numel(), p)]
+    return torch.cat(pieces[::-1]).reshape(shape)  # bug: rank p-1's chunk first
+
+
+def _counts_transposed(comm, x, send_counts, recv_counts):
+    y, _ = C.all_to_all(x, send_counts, comm, send_counts)  # bug: receives what it sends
+    return y
+
+
+def _broadcast_from_0(comm, tensor, src):
+    return C.broadcast(tensor, comm, 0)  # bug: src ignored
+
+
+# ---- data parallelism --------------------------------------------------------------------------
+
+
+def _dp_summed(model):
+    model.finish_gradient_sync()
+    for q in model.module.parameters():
+        if q.grad is not None:
+            q.grad.mul_(model.comm.world_size)  # bug: the sum, not the average
+
+
+def _dp_no_broadcast(comm, module):
+    own = {k: v.clone() for k, v in module.state_dict().items()}
+    model = ours.data_parallel(comm, module)
+    module.load_state_dict(own)  # bug: as if the broadcast at wrap time never happened
+    return model
+
+
+def _dp_zero_for_unused(model):
+    model.finish_gradient_sync()
+    for q in model.module.parameters():
+        if q.requires_grad and q.grad is None:
+            q.grad = torch.zeros_like(q)  # bug: one process leaves it None
+
+
+def _dp_no_sync_syncs(model):
+    return contextlib.nullcontext()  # bug: backward inside still communicates
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------
+
+
+class _RowBiasEveryRank(RowParallelLinear):
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = ScatterToRegion.apply(x, self.tp_comm, -1)  # (.., I/p)
+        return g(F.linear(x, self.weight, self.bias), self.tp_comm)  # bug: bias summed p times
+
+
+class _ColumnWithoutF(ColumnParallelLinear):
+    def forward(self, x):
+        y_local = F.linear(x, self.weight, self.bias)  # bug: no f, dL/dx is this rank's part
+        if self.gather_output:
+            return GatherFromRegion.apply(y_local, self.tp_comm, -1)
+        return y_local
+
+
+class _ColumnGatherReversed(ColumnParallelLinear):
+    def forward(self, x):
+        y_local = F.linear(f(x, self.tp_comm), self.weight, self.bias)  # (.., O/p)
+        if not self.gather_output:
+            return y_local
+        y = GatherFromRegion.apply(y_local, self.tp_comm, -1)  # (.., O)
+        return torch.cat(y.chunk(self.tp_comm.world_size, -1)[::-1], -1)  # bug: order reversed
+
+
+def _row_with(cls):
+    def row_parallel_linear(comm, linear, input_is_parallel):
+        return cls.from_full(linear, comm, input_is_parallel=input_is_parallel)
+
+    return row_parallel_linear
+
+
+def _column_with(cls):
+    def column_parallel_linear(comm, linear, gather_output):
+        return cls.from_full(linear, comm, gather_output=gather_output)
+
+    return column_parallel_linear
+
+
+# name: (capability, the bug in words, the adapter)
+MUTANTS = {
+    "avg_as_sum": (
+        "collectives",
+        "all-reduce avg returns the sum",
+        _like_ours(all_reduce=_avg_as_sum),
+    ),
+    "remainder_dropped": (
+        "collectives",
+        "all-reduce reduces p*(N//p) elements; the remainder stays local",
+        _like_ours(all_reduce=_remainder_dropped),
+    ),
+    "blocking_ring": (
+        "collectives",
+        "ring all-reduce in which every rank sends before receiving (blocking)",
+        _like_ours(all_reduce=_blocking_ring),
+    ),
+    "reduce_scatter_wrong_chunk": (
+        "collectives",
+        "reduce-scatter keeps chunk r+1, only partly reduced",
+        _like_ours(reduce_scatter=_wrong_chunk),
+    ),
+    "all_gather_reversed": (
+        "collectives",
+        "all-gather puts the chunks in reverse rank order",
+        _like_ours(all_gather=_reversed_gather),
+    ),
+    "all_to_all_counts_transposed": (
+        "collectives",
+        "all-to-all receives send_counts[i] rows from rank i (the count matrix transposed)",
+        _like_ours(all_to_all=_counts_transposed),
+    ),
+    "broadcast_from_0": (
+        "collectives",
+        "broadcast always from rank 0",
+        _like_ours(broadcast=_broadcast_from_0),
+    ),
+    "dp_sum_not_average": (
+        "dp",
+        "gradients summed over ranks, not averaged",
+        _like_ours(dp_after_backward=_dp_summed),
+    ),
+    "dp_no_broadcast_at_wrap": (
+        "dp",
+        "no broadcast of rank 0's parameters at wrap time",
+        _like_ours(data_parallel=_dp_no_broadcast),
+    ),
+    "dp_unused_zero_grad": (
+        "dp",
+        "a parameter no rank used gets a zero gradient (one process: None)",
+        _like_ours(dp_after_backward=_dp_zero_for_unused),
+    ),
+    "dp_no_sync_still_syncs": (
+        "dp",
+        "no_sync does not stop the gradient hooks",
+        _like_ours(dp_no_sync=_dp_no_sync_syncs),
+    ),
+    "tp_row_bias_every_rank": (
+        "tp",
+        "row-parallel bias added on every rank before the all-reduce",
+        _like_ours(row_parallel_linear=_row_with(_RowBiasEveryRank)),
+    ),
+    "tp_column_without_f": (
+        "tp",
+        "column-parallel input gradient not summed over ranks (no f)",
+        _like_ours(column_parallel_linear=_column_with(_ColumnWithoutF)),
+    ),
+    "tp_gather_output_reversed": (
+        "tp",
+        "column-parallel gather_output in reverse rank order",
+        _like_ours(column_parallel_linear=_column_with(_ColumnGatherReversed)),
+    ),
+}
+
+
+def __getattr__(name: str):
+    """`minidist.conform.mutants:NAME`: mutant NAME's adapter (PEP 562)."""
+    if name in MUTANTS:
+        return MUTANTS[name][2]
+    raise AttributeError(f"module {__name__!r} has no mutant {name!r}: {list(MUTANTS)}")
+
+
+def judge(name: str, examples: int = 10) -> tuple[list[str], float]:
+    """(the checks of its capability that fail mutant `name` on threads, seconds)."""
+    capability, _, adapter = MUTANTS[name]
+    start = time.monotonic()
+    results = [run_threads(adapter, check, examples) for check in CAPABILITIES[capability]]
+    return [r.check for r in results if r.status == "failed"], time.monotonic() - start
+
+
+def main(names: list[str]) -> int:
+    """Print every mutant's verdict and the mutation score; 0 if every mutant is caught."""
+    names = names or list(MUTANTS)
+    caught = 0
+    total = 0.0
+    print(f"{'mutant':30} {'capability':12} {'seconds':>7}  caught by")
+    for name in names:
+        failed, seconds = judge(name)
+        caught += bool(failed)
+        total += seconds
+        shown = ", ".join(failed) if failed else "NOT CAUGHT"
+        print(f"{name:30} {MUTANTS[name][0]:12} {seconds:7.2f}  {shown}")
+    score = caught / len(names)
+    print(
+        f"mutation score {caught}/{len(names)} = {score:.0%}, {total / len(names):.2f} s a mutant"
+    )
+    return 0 if caught == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

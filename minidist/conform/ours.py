@@ -1,0 +1,72 @@
+"""minidist's own adapter: the kit's checks, pointed at minidist's collectives, data parallelism
+and tensor parallelism. Everything passes (`minidist conform minidist`), on threads, gloo and
+mpi; minidist.conform.mutants plants one bug at a time in a copy of it.
+"""
+
+from __future__ import annotations
+
+from minidist.collectives import algorithms as C
+from minidist.data_parallel.wrappers import DataParallelBucketed
+from minidist.tensor_parallel.blocks import ParallelMLP
+from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+COMM = "minidist"
+# the hand-written collectives are built from send/recv: the kit counts their every byte
+BYTES = {
+    "all_reduce": "ring",
+    "reduce_scatter": "ring",
+    "all_gather": "ring",
+    "broadcast": "tree",
+    "all_to_all": "direct",
+}
+
+
+def all_reduce(comm, tensor, op):
+    return C.ring_all_reduce(tensor, comm, op)
+
+
+def reduce_scatter(comm, tensor, op):
+    lo, hi = C.chunk_bounds(tensor.numel(), comm.world_size)[comm.rank]
+    return C.ring_reduce_scatter(tensor.new_empty(hi - lo), tensor, comm, op)
+
+
+def all_gather(comm, chunk, shape):
+    return C.ring_all_gather(chunk.new_empty(shape), chunk, comm)
+
+
+def broadcast(comm, tensor, src):
+    return C.broadcast(tensor, comm, src)
+
+
+def all_to_all(comm, x, send_counts, recv_counts):
+    y, _ = C.all_to_all(x, send_counts, comm, recv_counts)
+    return y
+
+
+def data_parallel(comm, module):
+    # small buckets: several per model, launched during backward
+    return DataParallelBucketed(module, comm, bucket_bytes=64, algorithm="ring")
+
+
+def dp_after_backward(model):
+    model.finish_gradient_sync()
+
+
+def dp_no_sync(model):
+    return model.no_sync()
+
+
+def column_parallel_linear(comm, linear, gather_output):
+    return ColumnParallelLinear.from_full(linear, comm, gather_output=gather_output)
+
+
+def row_parallel_linear(comm, linear, input_is_parallel):
+    return RowParallelLinear.from_full(linear, comm, input_is_parallel=input_is_parallel)
+
+
+def parallel_mlp(comm, fc1, fc2):
+    d_ff, d_model = fc1.weight.shape
+    mlp = ParallelMLP(d_model, d_ff, comm, dtype=fc1.weight.dtype)
+    mlp.fc1.load_full_(fc1.weight, fc1.bias)
+    mlp.fc2.load_full_(fc2.weight, fc2.bias)
+    return mlp
