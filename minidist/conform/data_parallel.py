@@ -77,7 +77,7 @@ def problem(case: dict) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
             x = torch.randn(n, case["d"], generator=g, dtype=F64)  # (n, d)
             if case["kind"] == "branch":
                 x[:, 0] = -1.0
-                x[0, 0] = 2.0 if case["used"] else -1.0
+                x[0, 0] = 2.0 if case["used"] else -1.0  # rank 0's first row, or none
             micro.append((x, torch.randn(n, 1, generator=g, dtype=F64)))  # (n, 1)
         steps.append(micro)
     return steps
@@ -225,7 +225,7 @@ def cases_of(kind: str, steps=(1, 1), accum=(1, 1), opts=("sgd",), max_world: in
                 "accum": st.integers(*accum),
                 "opt": st.sampled_from(opts),
                 "kind": st.just(kind),
-                "used": st.booleans(),
+                **({"used": st.booleans()} if kind == "branch" else {}),
             }
         )
 
@@ -237,7 +237,10 @@ def fixed(kind: str, **changes) -> tuple:
     base = {"d": 3, "h": 4, "b": 1, "seed": 5, "steps": 1, "accum": 1, "opt": "sgd"}
     worlds = [(1, 2), (2, 1), (3, 2), (4, 1)]
     return tuple(
-        base | {"p": p, "b": b, "seed": 5 + i, "kind": kind, "used": i % 2 == 0} | changes
+        base
+        | {"p": p, "b": b, "seed": 5 + i, "kind": kind}
+        | ({"used": i % 2 == 0} if kind == "branch" else {})
+        | changes
         for i, (p, b) in enumerate(worlds)
     )
 
