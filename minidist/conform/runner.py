@@ -196,7 +196,9 @@ def run_processes(spec: str, adapter, checks: list[Check], backend: str, example
             results[check.full_name].seconds = seconds
         if failure is None:
             break
-        check, cases = todo[len(done)]
+        # the check it stopped in (or, where every check had ended, the last: the job failed
+        # on its way out, e.g. a message no receive took)
+        check, cases = todo[min(len(done), len(todo) - 1)]
         words = failure.strip().splitlines()
         text = f"the {backend} job failed: {words[-1] if words else 'no traceback'}"
         results[check.full_name] = result(
