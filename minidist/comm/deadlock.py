@@ -23,6 +23,7 @@ consistent state.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import sysconfig
@@ -168,11 +169,30 @@ def _cycle(waits_for: dict[int, list[int]]) -> list[int]:
     return path[path.index(at) :]
 
 
+_frames_lock = threading.Lock()
+
+
+def thread_frames() -> dict:
+    """sys._current_frames() (thread id -> its innermost frame), with the garbage collector held
+    off while it runs: on CPython 3.11 a collection that starts inside it can deadlock the
+    whole interpreter (it holds the runtime's lock while it allocates, and a deallocation during
+    the collection takes that lock again: python/cpython#106883). One caller at a time, so that
+    no caller turns the collector back on under another."""
+    with _frames_lock:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames()
+        finally:
+            if collecting:
+                gc.enable()
+
+
 def _caller(thread: threading.Thread, backend_file: str) -> str:
     """The innermost function outside minidist/comm (and the backend's file: a learner's lab
     01 lives elsewhere) on the thread's stack: the collective or lab function the blocked call
     was made from ('' if none)."""
-    frame = sys._current_frames().get(thread.ident)
+    frame = thread_frames().get(thread.ident)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         inside = os.path.dirname(path) == _COMM_DIR or path == backend_file

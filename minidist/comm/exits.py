@@ -44,6 +44,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from .deadlock import thread_frames
+
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 LOOK_EVERY = 0.1  # seconds between two looks at the roll (mpi waits) or at the store's keys
 HEAR_WITHIN = 2.0  # seconds a failing rank waits for the others' states and for them to hear
@@ -88,7 +90,7 @@ def in_comm(frame) -> bool:
 
 def main_stack() -> tuple[bool, str]:
     """(in the comm?, the stack) of this process's main thread, read from another thread."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    frame = thread_frames().get(threading.main_thread().ident)
     if frame is None:
         return False, "(the main thread has ended)\n"
     return in_comm(frame), "".join(traceback.format_stack(frame))

@@ -15,7 +15,6 @@ A check stops at its first failing case; a call that raises NotImplementedError 
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import sys
@@ -123,18 +122,9 @@ def _rank(comm, adapter, check: Check, case: dict):
 def run_case_threads(adapter, check: Check, case: dict) -> Verdict:
     """One case on a strict threads world of case["p"] ranks."""
     world = ThreadsWorld(case["p"], COMM_TIMEOUT, "rendezvous")
-    # no garbage collection while the ranks run: the deadlock detector names each blocked call
-    # with sys._current_frames(), and before Python 3.11.9 a collection inside it can deadlock
-    # the interpreter (python/cpython#106883, seen here after many cases); collected after
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        run = run_thread_ranks(
-            _rank, world, adapter, check, case, limit=CASE_LIMIT, after_failure=GRACE
-        )
-    finally:
-        if collecting:
-            gc.enable()
+    run = run_thread_ranks(
+        _rank, world, adapter, check, case, limit=CASE_LIMIT, after_failure=GRACE
+    )
     if run.errors:
         own = {r: e for r, e in run.errors.items() if not isinstance(e[0], PeerFailed)}
         r = min(own) if own else min(run.errors)

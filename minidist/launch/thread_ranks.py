@@ -27,12 +27,13 @@ Lesson: lessons/01_processes_p2p/ (threads as ranks), lessons/03_debugging_hangs
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from minidist.comm.deadlock import thread_frames
 
 
 @dataclass
@@ -48,7 +49,7 @@ class ThreadRun:
 
     def stack(self, rank: int) -> str:
         """The stack of rank's thread now, as traceback prints it (one still running)."""
-        frame = sys._current_frames().get(self.threads[rank].ident)
+        frame = thread_frames().get(self.threads[rank].ident)
         return "".join(traceback.format_stack(frame)) if frame else "(no stack)\n"
 
 
