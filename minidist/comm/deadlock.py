@@ -28,12 +28,15 @@ import os
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .protocol import Deadlock
 
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+# seconds every rank must look stuck, nothing changing, before the detector names a deadlock
+CONFIRM = 0.5
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
 
 
@@ -68,15 +71,22 @@ class WaitForGraph:
         self.finished: dict[int, str] = {}  # root rank -> how it ended ("returned")
         self.deadlock: str | None = None  # once found, every thread in it raises it
         self.in_deadlock: set[threading.Thread] = set()  # the threads yet to raise it
+        self.changes = 0  # bumped by every new thread, block, unblock and end
+        self.suspected: tuple[int, float] | None = None  # (changes, when) all looked stuck
 
     def seen(self, rank: int) -> None:
         """Remember that this thread acts for `rank` (every operation calls this: a set add)."""
-        self.threads.setdefault(rank, set()).add(threading.current_thread())
+        known = self.threads.setdefault(rank, set())
+        me = threading.current_thread()
+        if me not in known:
+            known.add(me)
+            self.changes += 1
 
     def finish(self, rank: int, how: str = "returned") -> None:
         """`rank` has ended without error: a rank that waits for it can never be served."""
         with self.cond:
             self.finished[rank] = how
+            self.changes += 1
             self.cond.notify_all()
 
     def check(self, rank: int, blocked: Blocked) -> None:
@@ -84,7 +94,9 @@ class WaitForGraph:
         if it can never wake, else record it as blocked and return."""
         me = threading.current_thread()
         self.seen(rank)
-        self.blocked[me] = (rank, blocked)
+        if self.blocked.get(me, (None, None))[1] is not blocked:
+            self.blocked[me] = (rank, blocked)
+            self.changes += 1
         if me in self.in_deadlock:
             self.in_deadlock.discard(me)
             found = self.deadlock
@@ -98,6 +110,11 @@ class WaitForGraph:
             where = self._where(threading.current_thread())
             raise Deadlock(f"rank {peer} {how} while rank {rank} waits for it in {where}")
         live = [r for r in range(self.world_size) if not self._ended(r)]
+        if not all(self._stuck(r) for r in live):
+            self.suspected = None
+            return
+        if not self._confirmed():
+            return  # the caller waits (at most 0.5 s) and checks again
         if all(self._stuck(r) for r in live):
             self.deadlock = self._describe(live)
             self.in_deadlock = {t for t in self.blocked if t is not me and t.is_alive()}
@@ -107,9 +124,21 @@ class WaitForGraph:
             self.cond.notify_all()  # every other blocked thread raises it too
             raise Deadlock(found)
 
+    def _confirmed(self) -> bool:
+        """Whether every rank has looked stuck, with nothing changed, for CONFIRM seconds. A
+        thread a rank has started but that has not made its first call yet (a parameter
+        server's receiver, just created) is not known to act for it: it gets that long to show
+        itself, so the detector never names a deadlock that is not one."""
+        now = time.monotonic()
+        if self.suspected is None or self.suspected[0] != self.changes:
+            self.suspected = (self.changes, now)
+            return False
+        return now - self.suspected[1] >= CONFIRM
+
     def unblock(self) -> None:
         """This thread is running again (holding cond)."""
-        self.blocked.pop(threading.current_thread(), None)
+        if self.blocked.pop(threading.current_thread(), None) is not None:
+            self.changes += 1
 
     def _ended(self, rank: int) -> bool:
         """The harness said so (finish). Not guessed from threads: a rank's helper threads may
