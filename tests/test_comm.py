@@ -335,7 +335,9 @@ def test_isend_leaves_a_copy_in_the_mailbox_and_wakes_the_waiters():
     condition for the message is woken at once, and the message is a copy: the sender may
     overwrite its tensor as soon as isend returns."""
     world = impl("comm.threads").ThreadsWorld(2, 5.0, "buffered")
-    sender, key, woken = world.comm(0), (0, 1, 7), []
+    sender = world.comm(0)
+    key = (0, 1, 7)
+    woken = []
 
     def waiter():
         start = time.monotonic()
@@ -411,8 +413,17 @@ def test_tracer_writes_a_chrome_trace(tmp_path):
 
 # the process tier's fixed cases (the threads tier draws the sweep): every dtype once, each op
 # in turn, on 4 ranks and on 3, blocking and not, odd, 0-d and empty shapes
-DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
-          torch.int32, torch.int8, torch.uint8, torch.bool)  # fmt: skip
+DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 SHAPES = ((7, 3), (5,), (), (2, 0, 3), (9,), (3, 5), (1,), (4, 2), (6, 1))
 HARD = [
     dict(k=4 - i % 2, shape=SHAPES[i], dtype=dtype, op=OPS[i % 4], seed=i)

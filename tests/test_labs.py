@@ -327,8 +327,11 @@ def test_grade_writes_json_and_junit_and_refuses_with_exit_3(tmp_path):
     args = ["grade", "06", "--file", str(path), "--json", str(report), "--junit", str(junit)]
     run = subprocess.run(
         [sys.executable, tool, *args, "-k", "bubble_gpipe_1f1b or text_grid_1f1b"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     result = json.loads(report.read_text())
     checks = {c["test"]: c for row in result["tasks"] for c in row["checks"]}
     assert checks["test_bubble_gpipe_1f1b"]["passed"] and checks["test_text_grid_1f1b"]["passed"]
@@ -366,8 +369,12 @@ def grade_json(args: list[str], env: dict | None = None) -> tuple[int, dict]:
     tool = os.path.join(ROOT, "tools", "labs.py")
     run = subprocess.run(
         [sys.executable, tool, "grade", *args, "--json", "-"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=env,
+    )
     return run.returncode, json.loads(run.stdout)
 
 

@@ -129,8 +129,13 @@ def test_the_watchdog_names_the_rank_that_exited_or_hung(what, backend, code, sa
     of the 3 s timeout, its exit code is the job's, and the launcher leaves no folder."""
     env = dict(os.environ, MINIDIST_TIMEOUT="3", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "3", "--backend", backend]
-    out = subprocess.run([*cmd, str(SCRIPTS / "misbehave.py"), what], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [*cmd, str(SCRIPTS / "misbehave.py"), what],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ended, text = time.time(), out.stdout + out.stderr
     began = re.search(r"rank 1 misbehaves at ([\d.]+)", text)
     seconds = ended - float(began.group(1)) if began else 0.0  # early: before it can print
@@ -150,8 +155,9 @@ def test_a_rank_that_leaves_early_is_named_within_seconds(backend):
     default 60 s timeout they fail within a second, naming it, its exit code and the call, and
     the launcher says it left early (not that a waiting rank failed or hung)."""
     cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "3", "--backend", backend]
-    out = subprocess.run([*cmd, str(SCRIPTS / "misbehave.py"), "skip"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [*cmd, str(SCRIPTS / "misbehave.py"), "skip"], capture_output=True, text=True, timeout=120
+    )
     ended, text = time.time(), out.stdout + out.stderr
     began = re.search(r"rank 1 misbehaves at ([\d.]+)", text)
     assert out.returncode == 1, text
@@ -231,8 +237,12 @@ def test_the_rank_killed_first_is_blamed_every_time(backend):
 def test_sigterm_to_the_launcher_stops_the_ranks_and_leaves_nothing(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "2", "--backend", "gloo"]
-    launcher = subprocess.Popen([*cmd, str(SCRIPTS / "misbehave.py"), "loop"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    launcher = subprocess.Popen(
+        [*cmd, str(SCRIPTS / "misbehave.py"), "loop"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     end = time.monotonic() + 60
     while time.monotonic() < end and not list(tmp_path.glob("minidist-*/rank1.pid")):
         time.sleep(0.1)

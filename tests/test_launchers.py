@@ -35,9 +35,32 @@ from minidist.launch.launcher import mpiexec, serve_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` command
-MAIN_JOB = ["-m", "minidist.gpt.cli", "--pp", "2", "--microbatches", "2", "--steps", "3",
-            "--warmup", "1", "--batch", "4", "--seq-len", "16", "--d-model", "16",
-            "--n-heads", "2", "--d-ff", "32", "--n-layers", "2", "--check", "--json"]  # fmt: skip
+MAIN_JOB = [
+    "-m",
+    "minidist.gpt.cli",
+    "--pp",
+    "2",
+    "--microbatches",
+    "2",
+    "--steps",
+    "3",
+    "--warmup",
+    "1",
+    "--batch",
+    "4",
+    "--seq-len",
+    "16",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--d-ff",
+    "32",
+    "--n-layers",
+    "2",
+    "--check",
+    "--json",
+]
 DEADLINE = 60  # seconds any job here may take (measured: at most 17 on a busy 2-core machine)
 # every rank: one thread (2 cores, several ranks), no progress bar, and a timeout that turns a
 # launcher that never connects the ranks into an error well before the deadline
@@ -48,8 +71,9 @@ def start(cmd: list[str], env: dict) -> subprocess.Popen:
     """cmd in a process group of its own (the deadline kills all it started), its output in a
     file (a pipe nobody reads while we wait for another process could fill and stall it)."""
     out = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     proc.output = out
     return proc
 

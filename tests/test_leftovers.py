@@ -27,8 +27,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.mark.parametrize("backend,send", [("mpi", "send"), ("gloo", "isend")])
 def test_a_message_left_unreceived_fails_the_job_naming_it(backend, send):
     cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "2", "--backend", backend]
-    out = subprocess.run([*cmd, str(SCRIPTS / "stale.py"), send], capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [*cmd, str(SCRIPTS / "stale.py"), send], capture_output=True, text=True, timeout=120
+    )
     text = out.stdout + out.stderr
     finder = 1 if backend == "mpi" else 0  # the receiver sees it on mpi, the sender on gloo
     assert "rank 1 got 1.0" in text  # the wrong number, as before ...

@@ -48,7 +48,10 @@ def test_one_node_is_lesson_02s_ring(p):
 
 @pytest.mark.parametrize("k,n", [(8, 2), (8, 16), (1, 24), (2, 16)])
 def test_ring_and_tree_across_nodes_are_tuning_ccs_formulas(k, n):
-    c, size, eff, p = A100, 512 * MiB, 0.9, k * n
+    c = A100
+    size = 512 * MiB
+    eff = 0.9
+    p = k * n
     net = min(k, c.nics) * c.inter.bandwidth * eff  # one ring a card, a card a GPU
     steps, across = 2 * (p - 1), 2 * (n - 1)
     latency = 8.4 + (steps - across) * 3.4 + across * 14 * 1.4

@@ -274,8 +274,19 @@ def test_this_machine_from_a_bench_p2p_file(tmp_path, capsys):
     # the main job's layouts only: no sequence parallelism, no selective recompute; --dp and
     # --microbatch-size pick; the model is minidist's own unless --model says otherwise
     picks = ["--dp", "2", "--microbatch-size", "2"]
-    code, out, err = run_cli(capsys, "--cluster", "this", "--calibration", str(path), "--gpus",
-                             "2", "--batch", "16", "--json", *picks)  # fmt: skip
+    code, out, err = run_cli(
+        capsys,
+        "--cluster",
+        "this",
+        "--calibration",
+        str(path),
+        "--gpus",
+        "2",
+        "--batch",
+        "16",
+        "--json",
+        *picks,
+    )
     assert code == 0, err
     got = json.loads(out)
     assert got["cluster"] == "this machine" and got["model"]["name"] == "minidist's GPT"
@@ -287,8 +298,9 @@ def test_this_machine_from_a_bench_p2p_file(tmp_path, capsys):
     assert all(row["seconds_band"] is None for row in got["layouts"])
     code, _, err = run_cli(capsys, "--cluster", "this")
     assert code == 2 and "--cluster this needs --calibration FILE" in err, err
-    code, _, err = run_cli(capsys, "--cluster", "this", "--calibration", str(path), "--model",
-                           "llama-7b")  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "--cluster", "this", "--calibration", str(path), "--model", "llama-7b"
+    )
     assert code == 2 and "no gated MLP (glu=True)" in err, err
 
 

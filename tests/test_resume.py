@@ -107,10 +107,16 @@ def resumed_in_another_layout_in_ranks(comm, folder: str) -> None:
     reference = train_full(after)
     context = f"resumed at step 2 as {after.layout}"
     expected = torch.tensor(reference["losses"][2:], dtype=torch.float64)
-    check_all(comm, {"losses": (torch.tensor(losses, dtype=torch.float64), expected)},
-              rtol=1e-12, context=context)  # fmt: skip
-    pairs = {f"layer {i} parameters": (mine, reference["parameters"][i][where])
-             for i, (where, mine) in local_parameters(job).items()}  # fmt: skip
+    check_all(
+        comm,
+        {"losses": (torch.tensor(losses, dtype=torch.float64), expected)},
+        rtol=1e-12,
+        context=context,
+    )
+    pairs = {
+        f"layer {i} parameters": (mine, reference["parameters"][i][where])
+        for i, (where, mine) in local_parameters(job).items()
+    }
     check_all(comm, pairs, atol=1e-10, context=context)
 
 
@@ -210,10 +216,28 @@ def test_cli_interrupted_then_resumed_in_another_layout_matches_one_process(tmp_
     """minidist train over gloo: stop at step 3 with a checkpoint (dp=2), resume it as tp=2
     (every weight re-sliced) with --check: losses and parameters equal one process's full run;
     --weight-decay reaches every rank, the one process and the checkpoint."""
-    common = ["--steps", "6", "--batch", "8", "--dtype", "float64", "--d-model", "16",
-              "--weight-decay", "0.2",
-              "--seq-len", "8", "--d-ff", "32", "--n-layers", "2", "--backend", "gloo",
-              "--out", str(tmp_path / "out")]  # fmt: skip
+    common = [
+        "--steps",
+        "6",
+        "--batch",
+        "8",
+        "--dtype",
+        "float64",
+        "--d-model",
+        "16",
+        "--weight-decay",
+        "0.2",
+        "--seq-len",
+        "8",
+        "--d-ff",
+        "32",
+        "--n-layers",
+        "2",
+        "--backend",
+        "gloo",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     cli = [sys.executable, "-m", "minidist.cli", "train", *common]
     first = subprocess.run(
         cli + ["--dp", "2", "--stop-at", "3", "--save", str(tmp_path)],
@@ -224,9 +248,12 @@ def test_cli_interrupted_then_resumed_in_another_layout_matches_one_process(tmp_
     assert first.returncode == 0, first.stderr
     assert resume.checkpoints(str(tmp_path)) == [str(tmp_path / "step-0000003.pt")]
     assert resume.load(str(tmp_path / "step-0000003.pt"))["config"]["weight_decay"] == 0.2
-    second = subprocess.run(cli + ["--tp", "2", "--microbatches", "2", "--resume",
-                                   str(tmp_path), "--check", "--json"],
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    second = subprocess.run(
+        cli + ["--tp", "2", "--microbatches", "2", "--resume", str(tmp_path), "--check", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["first_step"] == 3 and len(summary["losses"]) == 3

@@ -48,8 +48,12 @@ def test_a_folder_left_by_a_killed_launcher_goes_at_the_next_launch(tmp_path):
     (no `finally` runs), and the next launch removes it."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "minidist.cli", "run", "-n", "2", "--backend", "gloo"]
-    launcher = subprocess.Popen([*cmd, str(SCRIPTS / "misbehave.py"), "loop"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    launcher = subprocess.Popen(
+        [*cmd, str(SCRIPTS / "misbehave.py"), "loop"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     end = time.monotonic() + 60
     while time.monotonic() < end and not list(tmp_path.glob("minidist-*/rank1.pid")):
         time.sleep(0.1)

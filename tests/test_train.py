@@ -36,8 +36,9 @@ from minidist.testing import check_all, impl, in_subworlds, run_ranks, run_threa
 
 TINY = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
 # top-2 of 4 experts at capacity factor 1: some assignments drop, so the groups must agree
-MOE = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2, experts=4, topk=2,
-                    capacity_factor=1.0)  # fmt: skip
+MOE = gpt.GPTConfig(
+    seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2, experts=4, topk=2, capacity_factor=1.0
+)
 F64 = {"steps": 2, "warmup": 1, "dtype": "float64", "microbatches": 2}
 EP_CASE = TrainConfig(dp=4, ep=2, batch=8, model=MOE, **F64)
 CP_CASE = TrainConfig(dp=2, cp=2, batch=4, model=TINY, **F64)
@@ -47,21 +48,44 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @st.composite
 def configs(draw, max_world: int = 8, dtype: str = "float64") -> TrainConfig:
     """A layout of at most max_world ranks with every option drawn; tiny, float64."""
-    dp, pp, tp = draw(st.sampled_from([
-        (dp, pp, tp) for dp in range(1, 5) for pp in range(1, 5) for tp in (1, 2, 4)
-        if dp * pp * tp <= max_world
-    ]))  # fmt: skip
+    dp, pp, tp = draw(
+        st.sampled_from(
+            [
+                (dp, pp, tp)
+                for dp in range(1, 5)
+                for pp in range(1, 5)
+                for tp in (1, 2, 4)
+                if dp * pp * tp <= max_world
+            ]
+        )
+    )
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb"]))
     chunks = 2 if schedule == "interleaved" and pp <= 2 else 1
     m = draw(st.sampled_from([1, 2, 4])) if schedule != "interleaved" else pp * 2
     n_layers = draw(st.integers(max(1, pp * chunks - 2), 3))
     return TrainConfig(
-        dp=dp, pp=pp, tp=tp, zero=draw(st.integers(0, 3)), microbatches=m, schedule=schedule,
-        chunks=chunks, checkpointing=draw(st.booleans()), steps=2, batch=dp * m, warmup=1,
-        dtype=dtype, seed=draw(st.integers(0, 9)),
-        model=gpt.GPTConfig(seq_len=4, d_model=8, n_heads=4, d_ff=16, n_layers=n_layers,
-                            seed=draw(st.integers(0, 9))),
-    )  # fmt: skip
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        zero=draw(st.integers(0, 3)),
+        microbatches=m,
+        schedule=schedule,
+        chunks=chunks,
+        checkpointing=draw(st.booleans()),
+        steps=2,
+        batch=dp * m,
+        warmup=1,
+        dtype=dtype,
+        seed=draw(st.integers(0, 9)),
+        model=gpt.GPTConfig(
+            seq_len=4,
+            d_model=8,
+            n_heads=4,
+            d_ff=16,
+            n_layers=n_layers,
+            seed=draw(st.integers(0, 9)),
+        ),
+    )
 
 
 def local_pairs(job, reference: dict) -> dict:
@@ -93,8 +117,16 @@ def train_matches_one_process(comm, config: TrainConfig, device=None) -> None:
 def test_bad_runs_are_refused_naming_every_number():
     problems = TrainConfig(dp=2, pp=2, tp=2).problems(world_size=6)
     assert "world_size=6 != dp=2 * pp=2 * tp=2 = 8" in problems
-    bad = TrainConfig(tp=8, batch=6, dp=1, microbatches=4, chunks=2, pp=4, schedule="1f1b",
-                      model=gpt.GPTConfig(n_heads=4, d_model=64, n_layers=4))  # fmt: skip
+    bad = TrainConfig(
+        tp=8,
+        batch=6,
+        dp=1,
+        microbatches=4,
+        chunks=2,
+        pp=4,
+        schedule="1f1b",
+        model=gpt.GPTConfig(n_heads=4, d_model=64, n_layers=4),
+    )
     text = "\n".join(bad.problems())
     for expected in (
         "n_heads=4 is not divisible by tp=8",
@@ -102,7 +134,7 @@ def test_bad_runs_are_refused_naming_every_number():
         "chunks=2 needs schedule='interleaved'",
         "pp=4 x chunks=2 pipeline parts, but the model has only n_layers=4 + 2",
     ):
-        assert expected in text, text  # fmt: skip
+        assert expected in text, text
     assert "zero=5" in "\n".join(TrainConfig(zero=5).problems())
     assert "schedule='zz'" in "\n".join(TrainConfig(schedule="zz").problems())
     with pytest.raises(ValueError, match="cannot start"):
@@ -139,8 +171,10 @@ def test_the_cli_refuses_checkpoints_of_ep_and_cp_runs():
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    for flags in (["--cp", "2", "--save", "x"], ["--dp", "2", "--ep", "2", "--experts", "2",
-                                                   "--resume", "x"]):  # fmt: skip
+    for flags in (
+        ["--cp", "2", "--save", "x"],
+        ["--dp", "2", "--ep", "2", "--experts", "2", "--resume", "x"],
+    ):
         found = cli.problems(parser.parse_args(flags), [])
         assert any("is not supported with --cp or --experts" in f for f in found), found
 
@@ -168,8 +202,10 @@ def test_the_parent_refuses_a_bad_layout_before_starting_any_process():
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "minidist.cli", "train", "--dp", "2", "--tp", "3"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     assert "n_heads=4 is not divisible by tp=3" in out.stderr
     assert "vocab_size=256 is not divisible by tp=3" in out.stderr
@@ -255,8 +291,18 @@ def test_bf16_tracks_one_process_in_the_same_precision(zero):
     in the same precision (bf16 rounds at 2^-8 = 3.9e-3; measured 1.5e-4..3e-4 over 10 steps:
     the same roundings, summed in another order), on every rank."""
     model = gpt.GPTConfig(seq_len=16, d_model=32, n_heads=4, d_ff=64, n_layers=2)
-    config = TrainConfig(dp=2, pp=2, tp=2, zero=zero, microbatches=2, amp="bf16", steps=10,
-                         batch=8, warmup=2, model=model)  # fmt: skip
+    config = TrainConfig(
+        dp=2,
+        pp=2,
+        tp=2,
+        zero=zero,
+        microbatches=2,
+        amp="bf16",
+        steps=10,
+        batch=8,
+        warmup=2,
+        model=model,
+    )
     expected = torch.tensor(train_full(config)["losses"], dtype=torch.float64)
     for rank, losses in enumerate(run_threads(losses_of, 8, config)):
         got = torch.tensor(losses, dtype=torch.float64)
@@ -322,8 +368,9 @@ def test_the_16_bit_check_judges_the_parameters_and_catches_a_dropped_gradient(a
     where rank 1's gradient never reaches the average fails by twice the tolerance (measured
     2.45), though its loss curve stays within the loss's tolerance: the parameters catch it."""
     model = gpt.GPTConfig(seq_len=32, d_model=32, n_heads=4, d_ff=64, n_layers=2)
-    config = TrainConfig(dp=2, zero=zero, amp=amp, steps=20, warmup=2, batch=8, microbatches=2,
-                         model=model)  # fmt: skip
+    config = TrainConfig(
+        dp=2, zero=zero, amp=amp, steps=20, warmup=2, batch=8, microbatches=2, model=model
+    )
     expected = train_full(config)
     for factor, verdict in ((1.0, True), (0.0, False)):
         found = differences(run_threads(trained_with, 2, config, factor)[0], expected, config)
@@ -358,8 +405,10 @@ def counted_bytes(comm, config: TrainConfig) -> tuple[dict, dict]:
         counter.reset()
     for _ in range(config.steps):
         composed.train_step(job)
-    sent = {a: sum(n for op, n in c.nbytes.items() if op != "recv") // config.steps
-            for a, c in counters.items()}  # fmt: skip
+    sent = {
+        a: sum(n for op, n in c.nbytes.items() if op != "recv") // config.steps
+        for a, c in counters.items()
+    }
     return sent, composed.predicted_nbytes(job)
 
 
@@ -426,10 +475,17 @@ def hard_configs(world: int) -> list[TrainConfig]:
 
     def tiny(n_layers: int, **layout) -> TrainConfig:
         m = layout.setdefault("microbatches", 2)
-        return TrainConfig(**layout, steps=2, batch=layout.get("dp", 1) * m, warmup=1,
-                           dtype="float64", seed=3, model=gpt.GPTConfig(
-                               seq_len=4, d_model=8, n_heads=4, d_ff=16, n_layers=n_layers,
-                               seed=5))  # fmt: skip
+        return TrainConfig(
+            **layout,
+            steps=2,
+            batch=layout.get("dp", 1) * m,
+            warmup=1,
+            dtype="float64",
+            seed=3,
+            model=gpt.GPTConfig(
+                seq_len=4, d_model=8, n_heads=4, d_ff=16, n_layers=n_layers, seed=5
+            ),
+        )
 
     return [
         *([tiny(2, dp=2, pp=2, tp=2, zero=2, schedule="1f1b", checkpointing=True)] * (world >= 8)),
@@ -479,14 +535,34 @@ def test_a_rank_killed_mid_step_ends_the_job_within_seconds(backend):
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_train_threads_with_cuda_tensors(zero):
     """8 thread-ranks on one GPU: the model, batches and every message in device memory."""
-    config = TrainConfig(dp=2, pp=2, tp=2, zero=zero, microbatches=2, steps=2, batch=8,
-                         warmup=1, dtype="float64", model=TINY)  # fmt: skip
+    config = TrainConfig(
+        dp=2,
+        pp=2,
+        tp=2,
+        zero=zero,
+        microbatches=2,
+        steps=2,
+        batch=8,
+        warmup=1,
+        dtype="float64",
+        model=TINY,
+    )
     run_threads(train_matches_one_process, 8, config, "cuda", timeout=180)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="NCCL needs one GPU per rank (4)")
 def test_train_nccl():
-    config = TrainConfig(dp=2, pp=1, tp=2, zero=1, microbatches=2, steps=2, batch=8,
-                         warmup=1, dtype="float64", model=TINY)  # fmt: skip
+    config = TrainConfig(
+        dp=2,
+        pp=1,
+        tp=2,
+        zero=1,
+        microbatches=2,
+        steps=2,
+        batch=8,
+        warmup=1,
+        dtype="float64",
+        model=TINY,
+    )
     run_ranks(train_matches_one_process, 4, "nccl", config, timeout=300)

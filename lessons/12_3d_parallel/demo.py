@@ -26,8 +26,10 @@ def layout_for(world: int) -> Layout:
 
 
 def show_grid(layout: Layout, say) -> None:
-    say(f"world {layout.world_size} = dp {layout.dp} x pp {layout.pp} x tp {layout.tp}; "
-        f"grid = torch.arange({layout.world_size}).view(dp, pp, tp):")  # fmt: skip
+    say(
+        f"world {layout.world_size} = dp {layout.dp} x pp {layout.pp} x tp {layout.tp}; "
+        f"grid = torch.arange({layout.world_size}).view(dp, pp, tp):"
+    )
     for d, replica in enumerate(layout.grid[:, :, 0, :].tolist()):  # (dp, pp, tp): cp = 1
         say(f"  replica d={d}: " + "  ".join(f"stage s={s} {row}" for s, row in enumerate(replica)))
     say("rank  (d,s,t)  tp group   pp group   dp group")
@@ -42,9 +44,17 @@ def main(comm) -> None:
     layout = layout_for(comm.world_size)
     show_grid(layout, say)
     model = GPTConfig(seq_len=16, d_model=32, n_heads=4, d_ff=64, n_layers=2)
-    config = TrainConfig(dp=layout.dp, pp=layout.pp, tp=layout.tp, microbatches=M,
-                         steps=STEPS, batch=layout.dp * M * 2, warmup=1, dtype="float64",
-                         model=model)  # fmt: skip
+    config = TrainConfig(
+        dp=layout.dp,
+        pp=layout.pp,
+        tp=layout.tp,
+        microbatches=M,
+        steps=STEPS,
+        batch=layout.dp * M * 2,
+        warmup=1,
+        dtype="float64",
+        model=model,
+    )
     counters = {axis: Counter() for axis in AXES}
     job = build_job(comm, config, observe=lambda axis, sub: ObservedComm(sub, counters[axis]))
     mine = torch.tensor([job.mesh.dp_comm.rank, job.mesh.pp_comm.rank, job.mesh.tp_comm.rank])
@@ -66,11 +76,17 @@ def main(comm) -> None:
     formula = [-1 if v is None else v for v in predicted_nbytes(job).values()]
     table = torch.empty(comm.world_size, 6, dtype=torch.int64)
     comm.all_gather(table, torch.tensor(sent + formula))
-    say("bytes handed to each sub-comm per step, measured (formula: train.predicted_nbytes);"
-        " '-': a group of one rank moves nothing")  # fmt: skip
+    say(
+        "bytes handed to each sub-comm per step, measured (formula: train.predicted_nbytes);"
+        " '-': a group of one rank moves nothing"
+    )
     for rank, row in enumerate(table.tolist()):
-        cells = "  ".join(f"{a} {row[i]:7d} ({row[i + 3]:7d})" if getattr(layout, a) > 1
-                          else f"{a} {'-':>7} {'':9}" for i, a in enumerate(AXES))  # fmt: skip
+        cells = "  ".join(
+            f"{a} {row[i]:7d} ({row[i + 3]:7d})"
+            if getattr(layout, a) > 1
+            else f"{a} {'-':>7} {'':9}"
+            for i, a in enumerate(AXES)
+        )
         say(f"  rank {rank} {str(layout.coords(rank)):9} {cells}")
 
 

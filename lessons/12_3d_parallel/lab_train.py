@@ -185,8 +185,12 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
     }
     if c.cp > 1:
-        routed = [q for x in job.replicas.module.modules() if isinstance(x, MoEBlock)
-                  for q in x.moe.parameters()]  # fmt: skip
+        routed = [
+            q
+            for x in job.replicas.module.modules()
+            if isinstance(x, MoEBlock)
+            for q in x.moe.parameters()
+        ]
         found["cp"] = m * blocks * ring * a // c.tp + sum(q.numel() for q in routed) * f
     if c.ep > 1:
         found["ep"] = None  # the all-to-alls carry what the routers decide: no formula

@@ -120,7 +120,9 @@ def inside(cluster: Cluster, kind: str, k: int, nbytes: float) -> float:
 def ring(cluster: Cluster, kind: str, group: Group, nbytes: float, efficiency: float = 1.0):
     """Seconds of NCCL's ring (Simple) over a group that spans nodes: its bytes through the
     slower of a GPU's NVLink and the node's share of cards, plus tuning.cc's latency."""
-    k, n, p = group.k, group.n, group.p
+    k = group.k
+    n = group.n
+    p = group.p
     if n == 1:
         return inside(cluster, kind, k, nbytes)
     steps, across = STEPS[kind] * (p - 1), STEPS[kind] * (n - 1)

@@ -62,7 +62,9 @@ def reduced(xs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 def inputs(case: dict) -> list[torch.Tensor]:
     """Every rank's input of a case, as each rank builds its own."""
-    shape, dtype, seed = case["shape"], case["dtype"], case["seed"]
+    shape = case["shape"]
+    dtype = case["dtype"]
+    seed = case["seed"]
     return [integer_valued(shape, dtype, seed, rank=r) for r in range(case["p"])]
 
 
@@ -272,7 +274,9 @@ def split_counts(p: int, seed: int) -> list[list[int]]:
 
 def all_to_all_inputs(case: dict) -> tuple[list[list[int]], list[torch.Tensor]]:
     counts = split_counts(case["p"], case["seed"])
-    row, dtype, seed = case["row"], case["dtype"], case["seed"]
+    row = case["row"]
+    dtype = case["dtype"]
+    seed = case["seed"]
     xs = [integer_valued((sum(counts[i]), *row), dtype, seed, rank=i) for i in range(case["p"])]
     return counts, xs
 
@@ -317,7 +321,9 @@ ALL_TO_ALL_HARD = tuple(
 
 def run_counted(rank, case: dict):
     """One collective on N = k p float32 ones; (this rank's bytes sent, to each peer)."""
-    p, r, n = case["p"], rank.rank, case["k"] * case["p"]
+    p = case["p"]
+    r = rank.rank
+    n = case["k"] * case["p"]
     x = torch.ones(n, dtype=torch.float32)
     what, a = case["collective"], rank.adapter
     if what == "all_reduce":

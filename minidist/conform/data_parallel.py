@@ -101,7 +101,9 @@ def state(model: nn.Module) -> dict:
 def run_training(rank, case: dict) -> dict:
     """Train this rank's wrapped model on its rows; what it held after wrapping, and after each
     micro-step (inside no_sync), backward and optimizer step."""
-    a, r, b = rank.adapter, rank.rank, case["b"]
+    a = rank.adapter
+    r = rank.rank
+    b = case["b"]
     if case["accum"] > 1 and not hasattr(a, "dp_no_sync"):
         raise Unavailable("accumulation needs dp_no_sync(model)")
     local = Net(case["d"], case["h"], case["seed"] + 1000 * r, case["kind"])  # out of sync

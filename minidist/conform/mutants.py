@@ -51,7 +51,9 @@ def _blocking_ring(comm, tensor, op):
     """A ring all-reduce of whole tensors (p-1 steps) in which every rank sends before it
     receives, with blocking sends: with rendezvous sends every rank waits for its neighbour."""
     p, r = comm.world_size, comm.rank
-    acc, passing, got = tensor.clone(), tensor.clone(), torch.empty_like(tensor)
+    acc = tensor.clone()
+    passing = tensor.clone()
+    got = torch.empty_like(tensor)
     for _ in range(p - 1):
         comm.send(passing, (r + 1) % p)  # bug: everyone sends first
         comm.recv(got, (r - 1) % p)

@@ -87,7 +87,9 @@ def split_output(case: dict) -> bool:
 def run_layer(rank, case: dict) -> dict:
     """The adapter's layer on this rank's input; its output, input gradient, parameters and
     their gradients."""
-    a, p, r = rank.adapter, rank.world_size, rank.rank
+    a = rank.adapter
+    p = rank.world_size
+    r = rank.rank
     full = problem(case)
     x, gy = full["x"], full["gy"]
     if case["layer"] == "column":
@@ -112,7 +114,9 @@ def run_layer(rank, case: dict) -> dict:
 
 def expected(case: dict, r: int, ref: dict) -> dict:
     """What rank r must hold, sliced here from the single-process run."""
-    p, x, layers = case["p"], ref["x"], ref["layers"]
+    p = case["p"]
+    x = ref["x"]
+    layers = ref["layers"]
     want = {
         "y": cols(ref["y"], r, p) if split_output(case) else ref["y"],
         "dL/dx": cols(x.grad, r, p) if split_input(case) else x.grad,

@@ -40,7 +40,9 @@ class RingSelfAttention(nn.Module):
 
     def __init__(self, attn: nn.Module, cp_comm):
         super().__init__()
-        self.qkv, self.proj, self.n_heads = attn.qkv, attn.proj, attn.n_heads_local
+        self.qkv = attn.qkv
+        self.proj = attn.proj
+        self.n_heads = attn.n_heads_local
         self.cp_comm = cp_comm
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:

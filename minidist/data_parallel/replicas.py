@@ -27,5 +27,6 @@ def apply_dp(module: nn.ModuleList, dp_comm, adamw, scaler) -> Replicas:
 
     state, load = adam_checkpoint(module, trainable(module), adamw, None)
     held = lambda: held_nbytes(module, adamw, [])  # noqa: E731
-    return Replicas(module, adamw, scaler, update, adamw.zero_grad, state, load, held,
-                    accumulating=dp.no_sync)  # fmt: skip
+    return Replicas(
+        module, adamw, scaler, update, adamw.zero_grad, state, load, held, accumulating=dp.no_sync
+    )

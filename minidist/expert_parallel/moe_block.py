@@ -66,7 +66,10 @@ class MoEBlock(nn.Module):
 
     def __init__(self, ln1: nn.LayerNorm, attn: nn.Module, ln2: nn.LayerNorm, moe: nn.Module):
         super().__init__()
-        self.ln1, self.attn, self.ln2, self.moe = ln1, attn, ln2, moe
+        self.ln1 = ln1
+        self.attn = attn
+        self.ln2 = ln2
+        self.moe = moe
         self.group_tokens: int | None = None
         self.order: torch.Tensor | None = None
         self.aux_weight = 1.0
@@ -98,11 +101,19 @@ def parallel_block(block: MoEBlock, ep_comm) -> MoEBlock:
     """The block with its experts cut over ep_comm: an ExpertParallelMoE holding the same
     router and its E/ep experts, copied from block's (the rest shared)."""
     full, first = block.moe, block.moe.experts[0]
-    d, d_ff, router = first.fc1.in_features, first.fc1.out_features, full.router
+    d = first.fc1.in_features
+    d_ff = first.fc1.out_features
+    router = full.router
     moe = ExpertParallelMoE(
-        d, d_ff, len(full.experts), ep_comm, router.k, router.capacity_factor, router.alpha,
+        d,
+        d_ff,
+        len(full.experts),
+        ep_comm,
+        router.k,
+        router.capacity_factor,
+        router.alpha,
         dtype=router.weight.dtype,
-    )  # fmt: skip
+    )
     moe.router.load_state_dict(router.state_dict())
     for local, e in zip(moe.experts, range(moe.lo, moe.lo + moe.n_local), strict=True):
         local.load_state_dict(full.experts[e].state_dict())

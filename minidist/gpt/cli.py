@@ -146,8 +146,10 @@ def problems(args: argparse.Namespace, found: list[str]) -> list[str]:
             found.append(f"{flag} {path}: a file, not a folder")
     for flag in ("--save", "--resume"):
         if getattr(args, flag[2:]) and (args.cp > 1 or args.experts):
-            found.append(f"{flag} is not supported with --cp or --experts (checkpoints hold"
-                         " dp x pp x tp runs of the dense model)")  # fmt: skip
+            found.append(
+                f"{flag} is not supported with --cp or --experts (checkpoints hold"
+                " dp x pp x tp runs of the dense model)"
+            )
     if args.resume and not found:
         found += [f"--resume {why}" for why in resume.problems(args.resume, config)]
     return found

@@ -96,7 +96,9 @@ class TrainConfig:
 
     def _layout_problems(self, world_size: int) -> list[str]:
         """problems() once every count is at least 1: how the numbers fit together."""
-        m, found, text = self.model, [], SONNETS.stat().st_size
+        m = self.model
+        found = []
+        text = SONNETS.stat().st_size
         why = f"seq_len={m.seq_len}: the text has {text} bytes, a sequence needs seq_len + 1"
         _require(found, m.seq_len + 1 <= text, why + " of them")
         why = f"steps={self.steps} is below the warm-up of {self.warmup} steps"

@@ -26,7 +26,11 @@ def run(job, step: Callable, until: int, on_step: Callable | None = None) -> dic
     "first_step", "step_seconds", "step_cpu_seconds" (this process's wall-clock and CPU time of
     each step; the first includes the warm-up)}. job: anything with a step counter that step
     advances (a train.Job, a reference.FullJob)."""
-    first, losses, skipped, walls, cpus = job.step, [], [], [], []
+    first = job.step
+    losses = []
+    skipped = []
+    walls = []
+    cpus = []
     while job.step < until:
         start, cpu = time.perf_counter(), time.process_time()
         loss, stepped = step(job)

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 def problems(config) -> list[str]:
     """What stops a TrainConfig's experts (or its ep) from running, with the numbers."""
-    c, experts, found = config, config.model.experts, []
+    c = config
+    experts = config.model.experts
+    found = []
     if c.ep > 1 and not experts:
         found.append(f"ep={c.ep} needs experts: --ep shares out the experts of --experts E")
     if experts and c.ep >= 1 and experts % c.ep:

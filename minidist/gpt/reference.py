@@ -51,7 +51,9 @@ def full_job(config: TrainConfig, data=None) -> FullJob:
     same batches, same AdamW, same schedule, same precision."""
     model = gpt.GPT(config.model, DTYPES[config.dtype])
     # MoE: the ranks' groups, each b T / cp tokens (b = B / (dp m)), the aux loss their mean
-    m, cp, t = config.dp * config.microbatches, config.cp, config.model.seq_len
+    m = config.dp * config.microbatches
+    cp = config.cp
+    t = config.model.seq_len
     order = context.token_order(config.batch, t, cp, config.batch // m) if cp > 1 else None
     group_blocks(model, config.batch // m * t // cp, 1 / (m * cp), order)
     groups = grouped_optimizer(config, model)  # as every rank: AdamW over decay_groups

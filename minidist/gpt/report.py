@@ -67,7 +67,9 @@ def summary(config: TrainConfig, result: dict, report: dict, out: str) -> dict:
     (loop.run's), throughput, the bubble measured beside its formula, every rank's row, and
     the files written into the folder out."""
     tokens = len(result["losses"]) * config.batch * config.model.seq_len
-    p, m, v = config.pp, config.microbatches, config.chunks
+    p = config.pp
+    m = config.microbatches
+    v = config.chunks
     return {
         "config": asdict(config),
         "losses": result["losses"],

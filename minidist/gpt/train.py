@@ -128,14 +128,27 @@ def build_job(comm, config: TrainConfig, data=None, tracer=None, observe=None, d
     if config.model.experts:
         replicas = apply_expert_dp(module, mesh, grouped_optimizer(config, module)(), scaler)
     elif config.zero:
-        replicas = apply_zero(module, mesh.grad_comm, make_optimizer(config), config.zero,
-                              param_groups=decay_groups(module), precision=config.precision,
-                              scaler=scaler, overflow_comm=mesh.world)  # fmt: skip
+        replicas = apply_zero(
+            module,
+            mesh.grad_comm,
+            make_optimizer(config),
+            config.zero,
+            param_groups=decay_groups(module),
+            precision=config.precision,
+            scaler=scaler,
+            overflow_comm=mesh.world,
+        )
     elif config.amp == "fp32":
         replicas = apply_dp(module, mesh.grad_comm, grouped_optimizer(config, module)(), scaler)
     else:
-        replicas = apply_amp(module, grouped_optimizer(config, module), config.precision, scaler,
-                             mesh.grad_comm, mesh.world)  # fmt: skip
+        replicas = apply_amp(
+            module,
+            grouped_optimizer(config, module),
+            config.precision,
+            scaler,
+            mesh.grad_comm,
+            mesh.world,
+        )
     # lab 12.4 end
     stage.on_backward = replicas.on_backward  # after every backward op (ZeRO-2/3 reduce)
     for axis, cuts in held.items():  # which full elements each cut left this rank, in turn
@@ -202,8 +215,12 @@ def predicted_nbytes(job: Job) -> dict[str, int | None]:
         "tp": m * _tp_nbytes(c, sum(job.layer_ids, []), a, n * x),
     }
     if c.cp > 1:
-        routed = [q for x in job.replicas.module.modules() if isinstance(x, MoEBlock)
-                  for q in x.moe.parameters()]  # fmt: skip
+        routed = [
+            q
+            for x in job.replicas.module.modules()
+            if isinstance(x, MoEBlock)
+            for q in x.moe.parameters()
+        ]
         found["cp"] = m * blocks * ring * a // c.tp + sum(q.numel() for q in routed) * f
     if c.ep > 1:
         found["ep"] = None  # the all-to-alls carry what the routers decide: no formula

@@ -21,10 +21,21 @@ def apply_amp(module: nn.ModuleList, optimizer, precision, scaler, dp_comm, worl
     """module's replicas over dp_comm in precision (compute, master and reduce dtypes):
     optimizer(masters or groups) makes the optimizer over the fp32 masters, scaler the loss
     scale; world agrees on every skip (every stage and tp rank must skip the same steps)."""
-    mp = MixedPrecisionOptimizer(module, optimizer, precision, scaler, dp_comm=dp_comm,
-                                 overflow_comm=world)  # fmt: skip
-    state, load = adam_checkpoint(module, list(zip(names(module), mp.master, strict=True)),
-                                  mp.optimizer, mp.scaler)  # fmt: skip
+    mp = MixedPrecisionOptimizer(
+        module, optimizer, precision, scaler, dp_comm=dp_comm, overflow_comm=world
+    )
+    state, load = adam_checkpoint(
+        module, list(zip(names(module), mp.master, strict=True)), mp.optimizer, mp.scaler
+    )
     held = lambda: held_nbytes(module, mp.optimizer, list(mp.master))  # noqa: E731
-    return Replicas(module, mp, mp.scaler, mp.step, mp.zero_grad, state, load, held,
-                    on_backward=lambda op: mp.collect())  # fmt: skip
+    return Replicas(
+        module,
+        mp,
+        mp.scaler,
+        mp.step,
+        mp.zero_grad,
+        state,
+        load,
+        held,
+        on_backward=lambda op: mp.collect(),
+    )

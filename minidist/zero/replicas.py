@@ -57,5 +57,15 @@ def apply_zero(module: nn.ModuleList, dp_comm, optimizer, stage: int, **options)
         z.load_state_dict(full, src=0)  # collective over dp
 
     held = lambda: memory_nbytes(z)  # noqa: E731
-    return Replicas(module, z.optimizer, z.scaler, z.step, z.zero_grad, state, load, held,
-                    on_backward=on_backward, gathered=z.gathered)  # fmt: skip
+    return Replicas(
+        module,
+        z.optimizer,
+        z.scaler,
+        z.step,
+        z.zero_grad,
+        state,
+        load,
+        held,
+        on_backward=on_backward,
+        gathered=z.gathered,
+    )
