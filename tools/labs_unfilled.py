@@ -73,5 +73,7 @@ def unfilled(lesson: str) -> list[str]:
         verdict = "fails with its NotImplementedError" if hit else "NOT caught"
         print(f"lab {rid} unfilled: {verdict} ({time.monotonic() - start:.1f}s)")
         if not hit:
+            first = next(iter(outcome.failure.values()), f"no test failed of {outcome.ran} run")
+            print("  the first failure instead: " + " ".join(first.split())[-600:])
             problems.append(f"lab {rid}: the probe tests do not fail with 'Lab {rid}:'")
     return problems
