@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm.protocol import OPS, Deadlock, PeerFailed
+from minidist.comm.protocol import OPS, CommTimeout, Deadlock, PeerFailed
 from minidist.launch.launcher import launch
 from minidist.launch.thread_ranks import run_thread_ranks
 
@@ -150,9 +150,11 @@ def run_threads(
         world.abort("the harness timed out")
         raise AssertionError(f"timed out after {timeout:g}s; ranks still running: {running}")
     if errors:
-        # report a rank that failed on its own, not one woken by the abort of another
+        # report a rank that failed on its own, not one woken by the abort of another, and
+        # among those one that raised over one that timed out waiting (often for it)
         own = [r for r, (e, _) in errors.items() if not isinstance(e, PeerFailed)]
-        r = min(own) if own else min(errors)
+        raised = [r for r in own if not isinstance(errors[r][0], CommTimeout)]
+        r = min(raised or own or errors)
         e, tb = errors[r]
         if isinstance(e, AssertionError) and len(errors) == world_size:
             raise e  # a combined verdict: every rank failed with the same message
