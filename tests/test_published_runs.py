@@ -2,16 +2,15 @@
 
 plan.CALIBRATED is fitted on three runs (CALIBRATION); on every other run the planner predicts
 the step time of the published layout, and the error against what the source reports is pinned
-here (ERRORS, checked to 0.1%) so that a change to the formulas shows up as a change of numbers.
-Target: the median absolute error over the other runs at most 15%. Second check: among the
-layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO stage, flash
-attention; without model parallelism where the run had none; its framework's overlap: none
-where gradients sync after the last microbatch, published.AFTER_FLUSH; no interleaving where
+in plan.VALIDATION_ERRORS (ERRORS here, checked to 0.1%) so that a change to the formulas shows up
+as a change of numbers. Target: the median absolute error over the other runs at most 15%. Second
+check: among the layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO
+stage, flash attention; without model parallelism where the run had none; its framework's overlap:
+none where gradients sync after the last microbatch, published.AFTER_FLUSH; no interleaving where
 its pipeline has none, published.NO_INTERLEAVING), the planner ranks
 first the published layout or one predicted within 5% of it; RANKING pins the gap for every run.
 `python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).
-plan.error_band draws every prediction's band from ERRORS (their middle 80%); a test keeps its
-copy equal to ERRORS.
+plan.error_band draws every prediction's band from the same errors (their middle 80%).
 """
 
 from __future__ import annotations
@@ -129,50 +128,7 @@ OTHERS = [rid for rid in published.RUNS if rid not in CALIBRATION]
 
 INF = float("inf")
 # the planner's error on every run not used to calibrate it (predicted / reported - 1)
-ERRORS = {
-    "r00": -0.077,
-    "r01": -0.063,
-    "r02": -0.05,
-    "r03": -0.06,
-    "r04": 0.004,
-    "r05": -0.072,
-    "r07": -0.015,
-    "r08": -0.007,
-    "r09": 0.042,
-    "r10": -0.183,
-    "r11": -0.0,
-    "r13": -0.21,
-    "r14": 0.123,
-    "r15": 0.101,
-    "r19": 0.011,
-    "r20": 0.017,
-    "r21": 0.024,
-    "r22": -0.073,
-    "r23": 0.002,
-    "r24": 0.023,
-    "r25": 0.061,
-    "r26": 0.058,
-    "r27": 0.089,
-    "r28": 0.12,
-    "r29": 0.129,
-    "r30": 0.03,
-    "r31": 0.066,
-    "r32": -0.176,
-    "r33": -0.186,
-    "r34": -0.21,
-    "r36": -0.104,
-    "r37": -0.27,
-    "r39": 0.003,
-    "r41": 0.068,
-    "r42": 0.096,
-    "r43": 1.885,
-    "r44": -0.084,
-    "r45": 0.077,
-    "r46": 0.144,
-    "r47": 0.022,
-    "r48": 0.135,
-    "r49": 0.073,
-}
+ERRORS = plan.VALIDATION_ERRORS  # pinned there: plan.error_band draws from them
 # the gap between the published layout and the planner's first with the same techniques; INF:
 # the planner's memory model does not fit the published layout (Llama 3 with every technique
 # its section 3.3.2 states, ZeRO-2, sp, v = 8, ends: 82.8 GB a GPU, 75.7 GB of it activations,
@@ -241,9 +197,8 @@ def test_errors_are_pinned_and_the_median_is_at_most_15_percent():
 
 
 def test_the_error_band_is_drawn_from_these_errors():
-    # plan.error_band reads a copy of ERRORS: the same numbers, and its band is their middle
-    # 80%, the 10th and 90th percentiles interpolated between the sorted errors
-    assert plan.VALIDATION_ERRORS == ERRORS
+    # the band is the pinned errors' middle 80%, the 10th and 90th percentiles interpolated
+    # between the sorted errors
     errors = sorted(ERRORS.values())
 
     def percentile(f: float) -> float:

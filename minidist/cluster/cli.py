@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 from collections import Counter
 from dataclasses import asdict, replace
@@ -371,7 +370,7 @@ def _band(best: dict) -> None:
     """The best layout's error band, and how it is drawn (nothing for this machine)."""
     if best["seconds_band"] is None:
         return
-    errors = statistics.quantiles(plan.VALIDATION_ERRORS.values(), n=10, method="inclusive")
+    errors = plan.error_deciles()
     (low, high), (dlow, dhigh) = best["seconds_band"], best["days_band"]
     unit, scale = ("s", 1) if best["seconds"] >= 1 else ("ms", 1e3)
     print(
