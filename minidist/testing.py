@@ -311,19 +311,19 @@ def check_all(comm, pairs: dict, rtol: float = 0.0, atol: float = 0.0, context: 
 # ---- shared hypothesis strategies --------------------------------------------------------
 
 ops = st.sampled_from(OPS)
-all_dtypes = st.sampled_from(
-    [
-        torch.float64,
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.int64,
-        torch.int32,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    ]
+# every dtype the comms carry: the floats training uses, the integers, bool
+DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
+all_dtypes = st.sampled_from(DTYPES)
 float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])
 seeds = st.integers(0, 2**31 - 1)
 

@@ -28,6 +28,7 @@ from minidist.collectives.overlap import Launcher
 from minidist.comm.protocol import OPS
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.testing import (
+    DTYPES,
     RANK_SETTINGS,
     all_dtypes,
     check_all,
@@ -502,17 +503,6 @@ def test_auto_picks_recursive_doubling_below_the_threshold_and_the_ring_above():
 # the process tier's fixed cases (the threads tier draws the sweep): every dtype once, each op
 # in turn, on 4 ranks and on 3 (a ring over an odd world), strided or not, shapes that split
 # unevenly over the ranks, an empty one and a 0-d one
-DTYPES = (
-    torch.float64,
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.int64,
-    torch.int32,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
 SHAPES = ((7, 3), (5,), (), (2, 0, 3), (9,), (3, 5), (1,), (4, 2), (6, 1))
 HARD = [
     dict(k=4 - i % 2, op=OPS[i % 4], dtype=dtype, shape=SHAPES[i], seed=i, strided=i % 3 == 0)

@@ -25,6 +25,7 @@ from minidist.comm.threads import ThreadsWorld
 from minidist.comm.torchdist import init_process_group
 from minidist.comm.wrappers import Counter, ObservedComm, Tracer, write_chrome_trace
 from minidist.testing import (
+    DTYPES,
     RANK_SETTINGS,
     all_dtypes,
     check_all,
@@ -413,17 +414,6 @@ def test_tracer_writes_a_chrome_trace(tmp_path):
 
 # the process tier's fixed cases (the threads tier draws the sweep): every dtype once, each op
 # in turn, on 4 ranks and on 3, blocking and not, odd, 0-d and empty shapes
-DTYPES = (
-    torch.float64,
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.int64,
-    torch.int32,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
 SHAPES = ((7, 3), (5,), (), (2, 0, 3), (9,), (3, 5), (1,), (4, 2), (6, 1))
 HARD = [
     dict(k=4 - i % 2, shape=SHAPES[i], dtype=dtype, op=OPS[i % 4], seed=i)
