@@ -9,7 +9,9 @@ synchronisation, checked, as it did unchecked. `start_collective` is the start o
 collective of the mpi and torch.distributed backends, written once: the checks of its arguments,
 its number, its agreement, and a small one finished there; a backend brings only its all-gather
 of the rows. threads compares the same texts at its meeting point, debug mode (checked.py)
-all-gathers them.
+all-gathers them. A comm that serves the same collectives in the same order step after step
+(data parallelism's buckets) can agree on that plan once (trust, AgreedPlan) and then check
+each call on its own rank, with no all-gather.
 See lessons/03_debugging_hangs, "No wrong numbers".
 """
 

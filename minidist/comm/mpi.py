@@ -18,7 +18,8 @@ wait). Every collective starts by agreeing on its signature (agreement.start_col
 start the backends share; `_gather` is MPI's part): one all-gather of a fixed-size row per rank,
 the signature's text and, for a payload of at most fused_bytes, the payload itself, which is
 then folded locally (one collective in all); a larger payload follows in the library's own
-collective.
+collective. A comm that trusts a plan (trust: the collectives it will serve, agreed once) checks
+each of them on its own rank instead, with no all-gather.
 
 Per message, only what a small message can afford: mpi4py is handed the tensor's address
 (`_buffer`), not a numpy view (measured 17 us against 2 us per message on a busy machine).

@@ -10,7 +10,7 @@ smaller one, matches collectives by order alone): messages travel framed with th
 dtype, a large one's bulk beside the frame straight from storage to storage (frames.py), and
 every collective starts with agreement.start_collective (the start every backend shares: the
 checks, then one all-gather of the signature, `_gather`, carrying a small payload along so that
-it needs no second one).
+it needs no second one; on a comm that trusts a plan, agreed once, a check on its own rank).
 
 Beware: after a timeout Gloo closes the connection, so the comm is unusable afterwards (the run
 should end, which is what the launcher does). And Gloo's point-to-point receives report
