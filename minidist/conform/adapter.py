@@ -70,7 +70,8 @@ from minidist.conform.checks import Unavailable
 COMMS = ("minidist", "torch", "mpi4py")
 # which communicators each backend can hand an adapter
 SERVES = {"threads": ("minidist",), "gloo": ("minidist", "torch"), "mpi": ("minidist", "mpi4py")}
-ALIASES = {"minidist": "minidist.conform.ours"}  # `minidist conform minidist`
+# `minidist conform minidist`, `minidist conform pytorch`
+ALIASES = {"minidist": "minidist.conform.ours", "pytorch": "minidist.conform.pytorch"}
 
 _lock = threading.Lock()  # thread-ranks load an adapter at once: none may see half of it
 
