@@ -40,6 +40,20 @@ tensor parallelism (tp), from the full nn.Linear layers (float64):
         by the layer) -> y (.., O) on every rank
     parallel_mlp(comm, fc1, fc2) -> mlp   mlp(x) = fc2(gelu(fc1(x))), x and y whole on every
         rank; mlp.fc1 column-parallel and mlp.fc2 row-parallel, holding slices as above
+expert parallelism (moe), from the whole layer (float64; E experts, E divisible by p):
+    expert_parallel_moe(comm, router, experts, k, capacity_factor) -> layer
+        router: nn.Linear(D, E, bias=False) (logits x W^T); experts: E modules, expert e's
+        forward fc2(gelu(fc1(x))) (.fc1 nn.Linear(D, F), .fc2 nn.Linear(F, D)); k: 1 or 2;
+        capacity_factor: a float, or None (no limit). The layer holds copies of the router and
+        of experts r*E/p .. (r+1)*E/p - 1: layer.router.weight (E, D), layer.experts[i] (.fc1,
+        .fc2) is expert r*E/p + i. layer(x_local) -> y_local: (n_r, D) -> (n_r, D), this
+        rank's tokens (n_r differs by rank, 0 included) routed as one group; the routing rule
+        (gates, capacity, which assignments drop) is minidist/conform/moe.py's docstring's
+    moe_after_backward(layer)                       optional: after backward (e.g. the router's
+                                                    gradient summed over ranks)
+    After it, layer.router.weight.grad is the whole batch's gradient on every rank, and each
+    held expert's .grad that of every token routed to it, from any rank (one no token reached
+    may keep None).
 bytes (optional): the kit counts every byte a minidist comm sends (point-to-point; a library
 collective called on it counts as none sent). Declare which cost formula each collective
 claims, and it is checked, exactly, with N divisible by p:
@@ -47,6 +61,8 @@ claims, and it is checked, exactly, with N divisible by p:
              "broadcast": "tree", "all_to_all": "direct"}
     ring: only to rank+1, 2(p-1)/p N b (all-reduce), (p-1)/p N b (the halves); tree: (p-1) N b
     over all ranks together; direct: each row straight to its destination, nothing else.
+    "expert_parallel_moe": "direct": each kept row straight to its expert's rank and back,
+    forward and backward, and an int64 count per expert to each rank, nothing else.
 With a torch or mpi4py communicator the kit cannot count: give `bytes_sent(comm) -> int` (bytes
 this rank sent so far) and the totals are checked (per peer only where the kit counts).
 

@@ -24,6 +24,7 @@ from minidist.comm.protocol import reduce_
 from minidist.conform import ours
 from minidist.conform.registry import CAPABILITIES
 from minidist.conform.runner import run_threads
+from minidist.expert_parallel.moe import AllToAll, ExpertParallelMoE, combine, run_experts
 from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from minidist.tensor_parallel.mappings import GatherFromRegion, ScatterToRegion, f, g
 
@@ -155,6 +156,61 @@ def _column_with(cls):
     return column_parallel_linear
 
 
+# ---- expert parallelism ------------------------------------------------------------------------
+
+
+class _MoEBackCountsTransposed(ExpertParallelMoE):
+    def forward(self, x):
+        p = self.comm.world_size
+        routing = self.router(x)
+        blocks = [self.n_local] * p
+        got = C.all_to_all(routing.counts, blocks, self.comm, blocks)[0].view(p, self.n_local)
+        send_counts = routing.counts.view(p, self.n_local).sum(1).tolist()
+        recv_counts = got.sum(1).tolist()
+        arrived = AllToAll.apply(x[routing.token], send_counts, recv_counts, self.comm)
+        out = self.run_local(arrived, got)  # (M, D)
+        back = AllToAll.apply(out, send_counts, recv_counts, self.comm)  # bug: the counts of
+        return combine(x.shape[0], routing, back), routing.aux  # the way out, not reversed
+
+
+class _MoEGateNotApplied(ExpertParallelMoE):
+    def forward(self, x):
+        p = self.comm.world_size
+        routing = self.router(x)
+        blocks = [self.n_local] * p
+        got = C.all_to_all(routing.counts, blocks, self.comm, blocks)[0].view(p, self.n_local)
+        send_counts = routing.counts.view(p, self.n_local).sum(1).tolist()
+        recv_counts = got.sum(1).tolist()
+        arrived = AllToAll.apply(x[routing.token], send_counts, recv_counts, self.comm)
+        out = self.run_local(arrived, got)  # (M, D)
+        back = AllToAll.apply(out, recv_counts, send_counts, self.comm)  # (m, D)
+        y = x.new_zeros(x.shape).index_add(0, routing.token, back)  # bug: no gate weights
+        return y, routing.aux
+
+
+class _MoEArrivalOrderLost(ExpertParallelMoE):
+    def run_local(self, arrived, got):
+        p = got.shape[0]
+        local = torch.arange(self.n_local).repeat(p)  # (p E/p,)
+        expert = torch.repeat_interleave(local, got.reshape(-1))  # (M,)
+        order = torch.argsort(expert, stable=True)
+        return run_experts(self.experts, arrived[order], got.sum(0).tolist())  # bug: sent back
+        # grouped by expert, not in the order the rows arrived
+
+
+def _moe_experts_summed(layer):
+    ours.moe_after_backward(layer)
+    for q in layer.experts.parameters():  # bug: an expert is not replicated over the ep group
+        layer.layer.comm.all_reduce(q.grad, "sum")
+
+
+def _moe_with(cls):
+    def expert_parallel_moe(comm, router, experts, k, capacity_factor):
+        return ours._moe_from_full(cls, comm, router, experts, k, capacity_factor)
+
+    return expert_parallel_moe
+
+
 # name: (capability, the bug in words, the adapter)
 MUTANTS = {
     "avg_as_sum": (
@@ -226,6 +282,26 @@ MUTANTS = {
         "tp",
         "column-parallel gather_output in reverse rank order",
         _like_ours(column_parallel_linear=_column_with(_ColumnGatherReversed)),
+    ),
+    "moe_back_counts_transposed": (
+        "moe",
+        "the combine's all-to-all sends with the dispatch's counts (not swapped)",
+        _like_ours(expert_parallel_moe=_moe_with(_MoEBackCountsTransposed)),
+    ),
+    "moe_gate_not_applied": (
+        "moe",
+        "the combine sums the experts' outputs without the gate weights",
+        _like_ours(expert_parallel_moe=_moe_with(_MoEGateNotApplied)),
+    ),
+    "moe_arrival_order_lost": (
+        "moe",
+        "outputs sent back grouped by expert, not in the order their rows arrived",
+        _like_ours(expert_parallel_moe=_moe_with(_MoEArrivalOrderLost)),
+    ),
+    "moe_experts_summed_over_ep": (
+        "moe",
+        "each expert's gradient all-reduced over the ep group, as the router's",
+        _like_ours(moe_after_backward=_moe_experts_summed),
     ),
 }
 

@@ -5,8 +5,12 @@ mpi; minidist.conform.mutants plants one bug at a time in a copy of it.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from minidist.collectives import algorithms as C
 from minidist.data_parallel.wrappers import DataParallelBucketed
+from minidist.expert_parallel.moe import ExpertParallelMoE, sync_grads
 from minidist.tensor_parallel.blocks import ParallelMLP
 from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -18,6 +22,7 @@ BYTES = {
     "all_gather": "ring",
     "broadcast": "tree",
     "all_to_all": "direct",
+    "expert_parallel_moe": "direct",  # the all-to-alls of expert parallelism, from send/recv
 }
 
 
@@ -70,3 +75,41 @@ def parallel_mlp(comm, fc1, fc2):
     mlp.fc1.load_full_(fc1.weight, fc1.bias)
     mlp.fc2.load_full_(fc2.weight, fc2.bias)
     return mlp
+
+
+# ---- expert parallelism ------------------------------------------------------------------------
+
+
+class _OutputOnly(nn.Module):
+    """ExpertParallelMoE, returning y alone (the kit's loss has no auxiliary term)."""
+
+    def __init__(self, layer: ExpertParallelMoE):
+        super().__init__()
+        self.layer = layer
+        self.router = layer.router
+        self.experts = layer.experts
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
+def expert_parallel_moe(comm, router, experts, k, capacity_factor):
+    return _moe_from_full(ExpertParallelMoE, comm, router, experts, k, capacity_factor)
+
+
+def _moe_from_full(cls, comm, router, experts, k, capacity_factor) -> _OutputOnly:
+    """cls (ExpertParallelMoE, or a mutant of it) with the kit's router and this rank's experts."""
+    d_ff, d = experts[0].fc1.weight.shape
+    n_experts = len(experts)
+    dtype = router.weight.dtype
+    layer = cls(d, d_ff, n_experts, comm, k, capacity_factor, 0.0, dtype=dtype)
+    with torch.no_grad():
+        layer.router.weight.copy_(router.weight)
+        held = experts[layer.lo : layer.lo + layer.n_local]  # experts r E/p .. (r+1) E/p - 1
+        for mine, full in zip(layer.experts, held, strict=True):
+            mine.load_state_dict(full.state_dict())
+    return _OutputOnly(layer)
+
+
+def moe_after_backward(layer):
+    sync_grads(layer.layer, layer.layer.comm)  # the router over every rank; experts stay
