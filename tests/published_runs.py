@@ -49,17 +49,26 @@ SOURCES = {
     ),
 }
 
-# Where the framework all-reduces the gradients only after the last microbatch's backward, so
-# none of that traffic hides behind compute (the ZeRO-3 rows excepted: DeepSpeed's ZeRO-3
-# gathers and reduce-scatters during the passes). Megatron-LM (n21, k22): train_step in
-# megatron/training.py runs forward_backward_func over every microbatch, then all-reduces
-# (allreduce_gradients of its own, "local", DistributedDataParallel, the default). DeepSpeed's
-# pipeline engine (s22, b22, x22): TrainSchedule in deepspeed/runtime/pipe/schedule.py issues
-# ReduceTiedGrads and ReduceGrads after the last backward, then OptimizerStep. Except
-# TORCH_DDP: examples/sc21/run_table_1.sh sets DDP=torch (PyTorch's DistributedDataParallel,
-# which all-reduces buckets of gradients during backward) up to 18B, DDP=local from 39B up.
-AFTER_FLUSH = ("n21", "k22", "s22", "b22", "x22")
-TORCH_DDP = ("r00", "r01", "r02", "r03")
+# Each source's framework, as minidist/cluster/profiles.py names it (where its data-parallel
+# traffic hides behind compute; the profiles cite the frameworks' code). Megatron-LM (n21, k22):
+# its own DDP, gradients after the last microbatch; except where examples/sc21/run_table_1.sh sets
+# DDP=torch (PyTorch's DistributedDataParallel), up to 18B: r00 to r03. Narayanan et al.'s ZeRO-3
+# rows ran DeepSpeed's ZeRO-3 (section 5.2: "ZeRO-3 ... as implemented in DeepSpeed"). MT-NLG,
+# BLOOM and GPT-NeoX-20B (s22, b22, x22) ran DeepSpeed's pipeline engine. MosaicML's MPT
+# benchmarks (m23) ran PyTorch FSDP (llm-foundry's yamls: fsdp_config); Llama 3 (d24) its own
+# FSDP (Dubey et al., section 3.3.2).
+PROFILE = {
+    "n21": "megatron",
+    "k22": "megatron",
+    "s22": "deepspeed",
+    "b22": "deepspeed",
+    "x22": "deepspeed",
+    "d24": "fsdp",
+    "m23": "fsdp",
+    **dict.fromkeys(("r00", "r01", "r02", "r03"), "ddp"),
+    **dict.fromkeys(("r10", "r11", "r12", "r13", "r14", "r15"), "deepspeed"),
+}
+
 # Whose pipelines have no interleaved schedule (v = 1 only): DeepSpeed's pipeline engine
 # trains with TrainSchedule, plain 1F1B (deepspeed/runtime/pipe/schedule.py holds it and the
 # inference schedule, nothing interleaved).
@@ -453,7 +462,7 @@ EVIDENCE = {
 LLAMA3_ASSUMED = [
     (
         "FSDP as ZeRO-2, its gradients reduce-scattered in bf16 every microbatch (the paper "
-        "says FP32; priced so on NCCL's rings, 8.6 s of it a step, 1.8 s stays exposed and the "
+        "says FP32; priced so on NCCL's rings, 8.4 s of it a step, 1.7 s stays exposed and the "
         "compute efficiency that matches the 8,192-GPU step of 12.64 s is 1.0)"
     ),
     "microbatch 1",

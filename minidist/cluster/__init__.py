@@ -5,6 +5,7 @@ hardware.py   GPUs, links and clusters with their sources; the time of a message
 network.py    the network as NCCL drives it: a ring on every card, or a tree, by size
 simulate.py   minidist's own code run on a simulated cluster, in simulated time
 plan.py       one layout priced: time, memory, bytes per dimension
+profiles.py   the frameworks' execution: what data-parallel traffic hides behind compute
 search.py     every layout of a cluster, ranked
 calibrate.py  this machine measured, as a cluster
 cli.py        `minidist plan`

@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from minidist.cluster import hardware as clusters
-from minidist.cluster import plan
+from minidist.cluster import plan, profiles
 from minidist.cluster import search as plan_search
 from minidist.comm.threads import ThreadsWorld
 from minidist.launch.thread_ranks import run_thread_ranks
@@ -143,7 +143,8 @@ class one_thread:
 
 
 # the rates are measured ones; minidist's main job syncs gradients after the pipeline step
-MEASURED = plan.Efficiency(compute=1.0, network=1.0, overlap=0.0)
+MEASURED = plan.Efficiency(compute=1.0, network=1.0)
+MINIDIST = profiles.PROFILES["minidist"]
 
 
 class Machine:
@@ -186,13 +187,16 @@ class Machine:
         """plan_search.search on this machine as `minidist train` runs: float32 (e = 4), attention
         that keeps its scores, whole activations between stages (no scatter), no sequence
         parallelism or selective recompute (the job has neither: --checkpointing is full),
-        MEASURED efficiencies; every layout that fits priced at its own (b, tp)'s rate."""
+        MEASURED efficiencies, minidist's profile (gradients synced after the step); every
+        layout that fits priced at its own (b, tp)'s rate."""
 
         def runs(x: plan.Layout) -> bool:
             return not x.sp and x.recompute != "selective" and (allowed is None or allowed(x))
 
         shape, base = self.shape, self.cluster
-        ok, refused = plan_search.search(shape, base, gpus, batch, MEASURED, False, runs, 4, False)
+        ok, refused = plan_search.search(
+            shape, base, gpus, batch, MEASURED, False, runs, 4, False, profile=MINIDIST
+        )
         first = {(q.layout.b, q.layout.tp): q.layout for q in ok}  # one per rate to measure
         quiet = not sys.stderr.isatty()
         for x in tqdm(first.values(), "timing the block per (b, tp)", disable=quiet, leave=False):
@@ -202,4 +206,6 @@ class Machine:
 
     def _priced(self, layout: plan.Layout, gpus: int, batch: int) -> plan.Plan:
         cluster = self.cluster_for(layout)
-        return plan.evaluate(self.shape, layout, cluster, gpus, batch, MEASURED, False, e=4)
+        return plan.evaluate(
+            self.shape, layout, cluster, gpus, batch, MEASURED, False, e=4, profile=MINIDIST
+        )

@@ -39,7 +39,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, replace
 
-from minidist.cluster import calibrate, plan
+from minidist.cluster import calibrate, plan, profiles
 from minidist.cluster import hardware as clusters
 from minidist.cluster import search as plan_search
 
@@ -89,6 +89,12 @@ def add_parser(sub) -> None:
     p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
     p.add_argument(
         "--ends", action="store_true", help="the embedding and the head as stages (Llama 3)"
+    )
+    p.add_argument(
+        "--framework",
+        choices=[k for k in profiles.PROFILES if k != "minidist"],
+        help=f"whose overlap of data-parallel traffic (default {profiles.DEFAULT}; "
+        "cluster/profiles.py cites each)",
     )
     for flag in ONLY:
         p.add_argument(f"--{flag.replace('_', '-')}", help="only layouts with this")
@@ -153,6 +159,8 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
     if args.ends and args.cluster == "this":
         found.append("--ends: minidist train's pipeline gives the embedding and head no stages")
+    if args.framework and args.cluster == "this":
+        found.append("--framework: --cluster this plans minidist train, which is its own")
     if args.png and not os.path.isdir(os.path.dirname(os.path.abspath(args.png))):
         found.append(f"--png {args.png}: its folder does not exist")
     if found:
@@ -249,18 +257,21 @@ def main(args: argparse.Namespace) -> int:
             allowed,
             ends=args.ends,
             picked=picked,
+            profile=profiles.PROFILES[args.framework or profiles.DEFAULT],
         )
         rows = [_row(shape, cluster, args, q) for q in ok]
     reasons = [{"reason": why, "layouts": n} for why, n in _reasons(refused).most_common()]
     if not ok:
         if args.json:
             got = {"model": asdict(shape), "cluster": cluster.name, "layouts": []}
+            got["framework"] = _framework(args)
             print(json.dumps(got | {"refused": reasons}))
         _refuse_all(shape, cluster, args, refused)
         return 2
     measured = machine.measured() if machine else None  # --cluster this
     if args.json:
         got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
+        got["framework"] = _framework(args)
         got["refused"] = reasons
         print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
@@ -350,9 +361,16 @@ def count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _framework(args) -> str:
+    """The profile the plan was priced with (cluster/profiles.py)."""
+    return "minidist" if args.cluster == "this" else args.framework or profiles.DEFAULT
+
+
 def _print(shape, cluster, args, rows, refused) -> None:
     print(f"{shape.name} ({count(shape.params())}) on {args.gpus} x {cluster.gpu.name},")
     print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
+    profile = profiles.PROFILES[_framework(args)]
+    print(f"framework {profile.name}: {profile.source}")
     unit, scale = ("s", 1) if rows[0]["seconds"] >= 1 else ("ms", 1e3)  # a toy's step: ms
     head = f"{'layout':38} {'step ' + unit:>7} " + " ".join(f"{p:>6}" for p in PARTS)
     print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")

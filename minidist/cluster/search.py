@@ -76,16 +76,19 @@ def search(
     scatter=True,
     ends=False,
     picked=None,
+    profile=None,
 ) -> tuple[list, list]:
     """(feasible plans, fastest first; the infeasible ones) over the layouts() allowed(x) takes
-    (default all). eff: plan.calibrated(cluster) unless given; e, scatter, ends: as plan.step()
-    and plan.Layout; picked: as layouts()."""
+    (default all). eff: plan.calibrated(cluster) unless given; e, scatter, ends, profile: as
+    plan.step() and plan.Layout; picked: as layouts()."""
     eff = eff or calibrated(cluster)
     candidates = layouts(shape, cluster, gpus, batch, scatter, ends, picked)
     candidates = [x for x in candidates if allowed is None or allowed(x)]
     # a GPU count with many divisors (720,720 has 240) means 10^5 layouts, tens of seconds: a bar
     quiet = len(candidates) < 20_000 or not sys.stderr.isatty()
     bar = tqdm(candidates, "pricing layouts", disable=quiet, leave=False)
-    plans = [evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e) for x in bar]
+    plans = [
+        evaluate(shape, x, cluster, gpus, batch, eff, flash, e=e, profile=profile) for x in bar
+    ]
     ok = sorted((q for q in plans if not q.why_not), key=lambda q: q.seconds)
     return ok, [q for q in plans if q.why_not]

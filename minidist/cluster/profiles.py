@@ -1,0 +1,113 @@
+"""How a framework runs a step, where it decides the time: which data-parallel traffic hides
+behind which compute, and what the optimizer step moves through memory.
+
+Equals: nothing runs here; each profile is a framework's published behaviour, cited below, and
+exposed_dp_seconds() is the rule it implies. plan.step asks it how much of a step's data-parallel
+traffic stays on the critical path; tests/test_plan.py checks each rule on numbers.
+Data-parallel traffic per step (t_x: one collective of a rank's 2-byte parameters or gradients,
+priced by cluster/network.py; F, B: one microbatch's forward and backward on the stage, B with
+what recompute runs again; L the stage's layers):
+    after the flush   the gradients' all-reduce (ZeRO-1: reduce-scatter and all-gather) starts
+                      once the last microbatch's backward is done: all exposed
+    overlapped        gradient buckets reduce during the last microbatch's backward (the others
+                      accumulate locally): max(0, t_grad - B) exposed; ZeRO-2 reduce-scatters
+                      every microbatch behind its own backward: m max(0, t_rs - B)
+    parameters        ZeRO-1/2's all-gather after the optimizer step: exposed, unless the
+                      profile gathers them during the next forward: max(0, t_ag - F)
+    ZeRO-3            piece by piece (U = L x units pieces, a layer or a module each) with a
+                      prefetch of one piece: in the forward each piece's gather hides behind
+                      the piece computed before it; in the backward each piece's gather and the
+                      reduce-scatter of the piece before hide behind its backward; only the
+                      step's very first gather and last reduce-scatter have nothing to hide
+                      behind:  a + r + m (U max(0, a - F/U) + U max(0, a + r - B/U))
+                      (a = t_ag / U, r = t_rs / U): compute hides at most one piece's traffic
+                      at a time, never a whole step's at once
+Optimizer step: OPTIMIZER_BYTES read and written per parameter it updates, at the memory's
+bandwidth (ZeRO: the rank's 1/dp shard).
+Ladder: Profile (the data) -> exposed_dp_seconds (the rule) -> plan.step.
+Paper: the frameworks' code, cited at each profile.   Lesson: lessons/13_beyond_one_machine/.
+Run: minidist plan --framework deepspeed ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A framework's execution, as far as the plan prices it: whether gradient collectives run
+    during the last microbatch's backward (overlap_grads) and ZeRO-1/2's parameter all-gather
+    during the next forward (overlap_params); units: how many pieces ZeRO-3 gathers a layer in,
+    one ahead of the other; source: where that is written."""
+
+    name: str
+    overlap_grads: bool
+    overlap_params: bool
+    source: str
+    units: int = 1
+
+
+# [MEGATRON] NVIDIA/Megatron-LM as Narayanan et al. (SC 2021) and Korthikanti et al. (2022) ran
+#   it: megatron/training.py train_step runs forward_backward_func over every microbatch, then
+#   model.allreduce_gradients() (its own "local" DistributedDataParallel, the default --DDP-impl).
+# [DDP] PyTorch DistributedDataParallel (torch/nn/parallel/distributed.py: buckets of gradients
+#   all-reduced from autograd hooks as the backward produces them; no_sync() for the microbatches
+#   before the last, as Megatron-LM's forward_backward_no_pipelining wraps them);
+#   examples/sc21/run_table_1.sh of Megatron-LM sets DDP=torch up to 18B.
+# [MCORE] Megatron-Core: --overlap-grad-reduce ("overlap DDP grad reduce" during the backward of
+#   the last microbatch) and --overlap-param-gather (the distributed optimizer's all-gather during
+#   the next forward), megatron/training/arguments.py.
+# [DEEPSPEED] microsoft/DeepSpeed: the pipeline engine's TrainSchedule (deepspeed/runtime/pipe/
+#   schedule.py) issues ReduceTiedGrads, ReduceGrads and OptimizerStep after the last backward;
+#   ZeRO-3 reduces with overlap_comm (ZERO3_OPTIMIZATION_OVERLAP_COMM_DEFAULT = True,
+#   deepspeed/runtime/zero/constants.py) and prefetches parameters up to
+#   stage3_prefetch_bucket_size (5e7) ahead: about the next layer's matrices.
+# [FSDP] PyTorch FullyShardedDataParallel (Zhao et al., VLDB 2023, section 3.3: backward
+#   prefetching, forward prefetching and a rate limiter of in-flight all-gathers): each unit's
+#   reduce-scatter runs during the backward, its all-gather one unit ahead. MosaicML's MPT
+#   benchmarks (llm-foundry) and Llama 3's training (Dubey et al., 2024, section 3.3.2) run so.
+PROFILES = {
+    "megatron": Profile("megatron", False, False, "[MEGATRON] gradients after the flush"),
+    "ddp": Profile("ddp", True, False, "[DDP] buckets during the last backward"),
+    "megatron-core": Profile("megatron-core", True, True, "[MCORE] --overlap-grad-reduce/param"),
+    # ZeRO-3 by module: the four matrices of a layer, each about a prefetch bucket
+    "deepspeed": Profile("deepspeed", False, False, "[DEEPSPEED] gradients after the flush", 4),
+    # a unit a transformer block, as llm-foundry and Llama 3 wrap them
+    "fsdp": Profile("fsdp", True, True, "[FSDP] reduce-scatter in the backward, gather ahead"),
+    # minidist's main job (gpt/train.py): gradients synced after the whole pipeline step;
+    # ZeRO-3 gathers one unit ahead and reduce-scatters behind the next backward
+    # (zero/gatherer.py), a unit every module with parameters: a block's two norms and four
+    # linear layers
+    "minidist": Profile("minidist", False, False, "gpt/train.py: after the step", 6),
+}
+DEFAULT = "megatron-core"
+
+# A mixed-precision Adam step as Megatron-LM's optimizer runs it (megatron/optimizer/optimizer.py,
+# Float16OptimizerWithFloat16Params.step), bytes per parameter: the 2-byte gradient copied into a
+# float32 main gradient (2 + 4), unscaled and checked for inf/nan (4 + 4), its norm for clipping
+# (4), Adam on the float32 parameter, gradient and two moments (16 read, 12 written), the
+# parameter copied back to 2 bytes (4 + 2), the gradient buffer zeroed (2). A count, not a fit.
+OPTIMIZER_BYTES = 54
+
+
+def exposed_dp_seconds(profile: Profile, zero: int, t: dict, m: int, f: float, b: float, L: int):
+    """Seconds of a step's data-parallel traffic left on the critical path (the docstring's
+    rules). t: one collective's seconds by kind ("all_reduce", "reduce_scatter", "all_gather");
+    m microbatches; f, b: one microbatch's forward and backward seconds on the stage; L: its
+    layers (ZeRO-3 gathers them in L x profile.units pieces of equal time: a, r the docstring's
+    per piece)."""
+    if zero == 3:
+        units = L * profile.units
+        a = t["all_gather"] / units
+        r = t["reduce_scatter"] / units
+        forward = units * max(0.0, a - f / units)
+        backward = units * max(0.0, a + r - b / units)
+        return a + r + m * (forward + backward)
+    hide = b if profile.overlap_grads else 0.0
+    if zero == 0:
+        return max(0.0, t["all_reduce"] - hide)
+    rounds = m if zero == 2 else 1  # ZeRO-2 reduce-scatters every microbatch's gradients
+    grads = rounds * max(0.0, t["reduce_scatter"] - hide)
+    params = max(0.0, t["all_gather"] - (f if profile.overlap_params else 0.0))
+    return grads + params
