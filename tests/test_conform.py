@@ -51,6 +51,7 @@ CAUGHT_BY = {  # a few mutants: a check that fails each, and words its report mu
     "dp_unused_zero_grad": ("dp.unused_parameters", "rank 0 step 0 grad branch.weight: a tensor"),
     "dp_no_broadcast_at_wrap": ("dp.broadcast_at_wrap", "rank 1 after wrap: inp.weight: max |d"),
     "tp_row_bias_every_rank": ("tp.row_parallel_linear", "rank 0 y: max |difference|"),
+    "pp_stash_as_stack": ("pp.step.1f1b", "rank 0 layer 0 weight.grad: max |difference|"),
     "moe_arrival_order_lost": ("moe.top1", "rank 0 y: max |difference|"),
     "moe_experts_summed_over_ep": ("moe.top2", "rank 0 expert 0 dL/dfc1.weight: max |d"),
 }

@@ -15,6 +15,8 @@ collectives.py      capability "collectives": all-reduce, reduce-scatter, all-ga
                     all-to-all, and their bytes against the ring/tree/direct formulas
 data_parallel.py    capability "dp": a data-parallel wrapper against one process
 tensor_parallel.py  capability "tp": column- and row-parallel linear, the parallel MLP
+pipeline.py         capability "pp": GPipe and 1F1B schedules as data, a pipelined step against
+                    one process
 moe.py              capability "moe": an expert-parallel mixture of experts against one process
 registry.py         every capability by its --only name
 runner.py           the checks on thread-ranks or in one process job per capability

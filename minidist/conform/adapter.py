@@ -40,6 +40,21 @@ tensor parallelism (tp), from the full nn.Linear layers (float64):
         by the layer) -> y (.., O) on every rank
     parallel_mlp(comm, fc1, fc2) -> mlp   mlp(x) = fc2(gelu(fc1(x))), x and y whole on every
         rank; mlp.fc1 column-parallel and mlp.fc2 row-parallel, holding slices as above
+pipeline parallelism (pp), kind "gpipe" or "1f1b" (raise NotImplementedError for one you lack,
+or for 1F1B with m < p stages: those cases are checks of their own):
+    pipeline_schedule(kind, n_stages, n_microbatches) -> programs   the schedule as data:
+        programs[s] is stage s's compute actions in order, each (letter, microbatch): "F" the
+        forward, "B" the backward (input and weight gradients) of microbatch 0..m-1. From
+        torch.distributed.pipelining: [(a.computation_type.value, a.microbatch_index) for a in
+        schedule.pipeline_order[s] if a is not None and a.computation_type.value in ("F", "B")]
+    pipeline_step(comm, kind, stage, n_microbatches, inputs, targets, loss_fn) -> losses
+        one training step, the forward and backward of every microbatch in kind's order; rank r
+        holds stage, an nn.Sequential of part r of a float64 model the kit cut into p contiguous
+        parts (its parameters' .grad None). inputs: the m microbatches (B/m, d_in) on rank 0,
+        else None; targets (B/m, d_out) on rank p-1, else None; loss_fn(y, target) is one
+        microbatch's mean loss. After it, each parameter's .grad in stage holds the gradient of
+        the whole batch's mean loss (the mean of the m microbatch losses); rank p-1 returns the
+        m losses, 0-d, as loss_fn gave them (the other ranks: anything).
 expert parallelism (moe), from the whole layer (float64; E experts, E divisible by p):
     expert_parallel_moe(comm, router, experts, k, capacity_factor) -> layer
         router: nn.Linear(D, E, bias=False) (logits x W^T); experts: E modules, expert e's

@@ -25,6 +25,8 @@ from minidist.conform import ours
 from minidist.conform.registry import CAPABILITIES
 from minidist.conform.runner import run_threads
 from minidist.expert_parallel.moe import AllToAll, ExpertParallelMoE, combine, run_experts
+from minidist.pipeline.schedules import build_schedules
+from minidist.pipeline.stage import PipelineStage
 from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from minidist.tensor_parallel.mappings import GatherFromRegion, ScatterToRegion, f, g
 
@@ -156,6 +158,54 @@ def _column_with(cls):
     return column_parallel_linear
 
 
+# ---- pipeline parallelism ----------------------------------------------------------------------
+
+
+def _pp_warmup_plus_one(kind, n_stages, n_microbatches):
+    if kind != "1f1b":
+        return ours.pipeline_schedule(kind, n_stages, n_microbatches)
+    m = n_microbatches
+    programs = []
+    for s in range(n_stages):
+        warmup = min(n_stages - s, m)  # bug: p - s forwards, not p - s - 1
+        ops = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            ops += [("F", warmup + i), ("B", i)]
+        programs.append(ops + [("B", i) for i in range(m - warmup, m)])
+    return programs
+
+
+def _pp_gpipe_backward_reversed(kind, n_stages, n_microbatches):
+    programs = ours.pipeline_schedule(kind, n_stages, n_microbatches)
+    if kind != "gpipe":
+        return programs
+    m = n_microbatches
+    # bug: odd stages run their backwards last microbatch first, their neighbours first first
+    return [ops[:m] + ops[m:][::-1] if s % 2 else ops for s, ops in enumerate(programs)]
+
+
+def _pp_grads_summed(comm, kind, stage, n_microbatches, inputs, targets, loss_fn):
+    losses = ours.pipeline_step(comm, kind, stage, n_microbatches, inputs, targets, loss_fn)
+    for q in stage.parameters():
+        if q.grad is not None:
+            q.grad.mul_(n_microbatches)  # bug: the sum over the microbatches, not their mean
+    return losses
+
+
+class _StashAsStack(PipelineStage):
+    def backward(self, op):
+        stash = self.step.stash
+        mine = (op.microbatch, op.chunk)
+        newest = next(reversed(stash))
+        stash[mine], stash[newest] = stash[newest], stash[mine]  # bug: the newest saved, a stack
+        super().backward(op)
+
+
+def _pp_stash_as_stack(comm, kind, stage, n_microbatches, inputs, targets, loss_fn):
+    program = build_schedules(kind, comm.world_size, n_microbatches)[comm.rank]
+    return _StashAsStack(stage, comm, loss_fn).run(program, inputs, targets)
+
+
 # ---- expert parallelism ------------------------------------------------------------------------
 
 
@@ -282,6 +332,26 @@ MUTANTS = {
         "tp",
         "column-parallel gather_output in reverse rank order",
         _like_ours(column_parallel_linear=_column_with(_ColumnGatherReversed)),
+    ),
+    "pp_1f1b_warmup_plus_one": (
+        "pp",
+        "1F1B's warm-up is p - s forwards, not p - s - 1",
+        _like_ours(pipeline_schedule=_pp_warmup_plus_one),
+    ),
+    "pp_gpipe_backward_reversed": (
+        "pp",
+        "GPipe's odd stages run their backwards in reverse microbatch order",
+        _like_ours(pipeline_schedule=_pp_gpipe_backward_reversed),
+    ),
+    "pp_grads_summed": (
+        "pp",
+        "gradients summed over the microbatches, not averaged (the loss not divided by m)",
+        _like_ours(pipeline_step=_pp_grads_summed),
+    ),
+    "pp_stash_as_stack": (
+        "pp",
+        "backward takes the newest saved activation (a stack), not its own microbatch's",
+        _like_ours(pipeline_step=_pp_stash_as_stack),
     ),
     "moe_back_counts_transposed": (
         "moe",

@@ -11,6 +11,8 @@ from torch import nn
 from minidist.collectives import algorithms as C
 from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.expert_parallel.moe import ExpertParallelMoE, sync_grads
+from minidist.pipeline.schedules import COMPUTE, LETTER, build_schedules
+from minidist.pipeline.stage import PipelineStage
 from minidist.tensor_parallel.blocks import ParallelMLP
 from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -75,6 +77,22 @@ def parallel_mlp(comm, fc1, fc2):
     mlp.fc1.load_full_(fc1.weight, fc1.bias)
     mlp.fc2.load_full_(fc2.weight, fc2.bias)
     return mlp
+
+
+# ---- pipeline parallelism ----------------------------------------------------------------------
+
+
+def pipeline_schedule(kind, n_stages, n_microbatches):
+    programs = build_schedules(kind, n_stages, n_microbatches, place=False)
+    return [
+        [(LETTER[op.kind], op.microbatch) for op in ops if op.kind in COMPUTE] for ops in programs
+    ]
+
+
+def pipeline_step(comm, kind, stage, n_microbatches, inputs, targets, loss_fn):
+    # this rank's program, its sends and receives placed so that blocking ones cannot deadlock
+    program = build_schedules(kind, comm.world_size, n_microbatches)[comm.rank]
+    return PipelineStage(stage, comm, loss_fn).run(program, inputs, targets)
 
 
 # ---- expert parallelism ------------------------------------------------------------------------

@@ -11,7 +11,8 @@ is (p-1)/(m+p-1), for both schedules. GPipe: all m forwards, in microbatch order
 first backward. 1F1B: stage s stores at most p - s microbatches' activations at once; its
 warm-up is min(p-1-s, m) forwards, then one forward and one backward while forwards remain,
 then the backwards left; forwards and backwards each in microbatch order. Cases: 1..8 stages,
-1..12 microbatches (m < p, m not a multiple of p), on one rank (a schedule is data: no comm).
+1..12 microbatches (m not a multiple of p; 1F1B's m < p in checks of their own, as some
+implementations refuse it), on one rank (a schedule is data: no comm).
 
 Step (pipeline_step): a float64 stack of Linear + Tanh layers (the second Linear's bias frozen)
 that the kit cuts into p contiguous non-empty parts at random points (not the adapter's
@@ -20,7 +21,8 @@ of m equal microbatches; the loss mse, each microbatch's mean. Equals: the whole
 process on the whole batch with the mean loss: every rank's parameter gradients (the frozen
 bias's stays None) and the last rank's m microbatch losses, float64 rtol 1e-12, atol 1e-15 (the
 samples are summed per microbatch, then over the microbatches: another order than one batch).
-Cases: world sizes 1..8 on threads (1..4 over processes), 1..8 microbatches, both schedules.
+Cases: world sizes 1..8 on threads (1..4 over processes), 1..8 microbatches (1F1B's m < p
+apart, as above), both schedules.
 """
 
 from __future__ import annotations
@@ -167,26 +169,6 @@ def judge_schedule(case: dict, outputs: list) -> list[Problem]:
     return problems
 
 
-def schedule_cases(kind: str):
-    def cases(max_p: int):
-        return st.fixed_dictionaries(
-            {
-                "p": st.just(1),  # a schedule is data: one rank asks for it
-                "stages": st.integers(1, 8),
-                "m": st.integers(1, 12),
-                "kind": st.just(kind),
-            }
-        )
-
-    return cases
-
-
-def schedule_hard(kind: str) -> tuple:
-    """One stage; fewer microbatches than stages; m not a multiple of p; m = p; m > p."""
-    sizes = [(1, 1), (1, 4), (2, 1), (4, 2), (3, 5), (4, 4), (4, 8), (8, 3), (8, 12)]
-    return tuple({"p": 1, "stages": s, "m": m, "kind": kind} for s, m in sizes)
-
-
 # ---- a pipelined step ------------------------------------------------------------------------
 
 
@@ -294,54 +276,96 @@ def judge_step(case: dict, outputs: list) -> list[Problem]:
     return problems
 
 
-def step_cases(kind: str):
-    def cases(max_p: int):
-        return st.fixed_dictionaries(
-            {
-                "p": st.integers(1, max_p),
-                "m": st.integers(1, 8),
-                "widths": st.lists(st.integers(1, 5), min_size=2, max_size=5).map(tuple),
-                "rows": st.integers(1, 3),
-                "seed": st.integers(0, 10**6),
-                "kind": st.just(kind),
-            }
-        )
+# ---- cases and checks ------------------------------------------------------------------------
+
+# (stages, microbatches) of the hard cases, run first: one stage; m < p; m not a multiple of p;
+# m = p; m > p. "1f1b" takes m >= p, and "1f1b.few_microbatches" m < p (the stages s <= p-1-m
+# all warm-up), which some implementations refuse: a check of its own, so a refusal skips it alone.
+HARD_SCHEDULES = {
+    "gpipe": [(1, 1), (1, 4), (2, 1), (4, 2), (3, 5), (4, 4), (4, 8), (8, 3), (8, 12)],
+    "1f1b": [(1, 1), (1, 4), (2, 2), (3, 5), (4, 4), (4, 8), (8, 8), (8, 12)],
+    "1f1b.few_microbatches": [(2, 1), (4, 1), (4, 2), (4, 3), (8, 3), (8, 7)],
+}
+HARD_STEPS = {
+    "gpipe": [(1, 1), (1, 3), (4, 1), (3, 5), (4, 6), (8, 3)],
+    "1f1b": [(1, 1), (1, 3), (2, 2), (3, 5), (4, 6), (8, 8)],
+    "1f1b.few_microbatches": [(2, 1), (4, 1), (4, 3), (8, 3)],
+}
+
+
+def microbatches(variant: str, p: int, most: int):
+    """The microbatch counts drawn for p stages: 1..most (GPipe), p..most (1F1B), 1..p-1."""
+    if variant == "1f1b.few_microbatches":
+        return st.integers(1, p - 1)
+    return st.integers(p if variant == "1f1b" else 1, max(p, most))
+
+
+def schedule_cases(variant: str):
+    def cases(max_p: int):  # max_p unused: a schedule is data, judged on one rank
+        def of(p: int):
+            return st.fixed_dictionaries(
+                {
+                    "p": st.just(1),
+                    "stages": st.just(p),
+                    "m": microbatches(variant, p, 12),
+                    "kind": st.just(variant.split(".")[0]),
+                }
+            )
+
+        return st.integers(2 if "few" in variant else 1, 8).flatmap(of)
 
     return cases
 
 
-def step_hard(kind: str) -> tuple:
-    """One stage (one microbatch, then 3); m < p; m not a multiple of p; m > p; 8 stages."""
-    sizes = [(1, 1), (1, 3), (4, 1), (3, 5), (4, 6), (8, 3)]
-    return tuple(
-        {"p": p, "m": m, "widths": (3, 5, 4, 2), "rows": 2, "seed": 40 + k, "kind": kind}
-        for k, (p, m) in enumerate(sizes)
-    )
+def step_cases(variant: str):
+    def cases(max_p: int):
+        def of(p: int):
+            return st.fixed_dictionaries(
+                {
+                    "p": st.just(p),
+                    "m": microbatches(variant, p, 8),
+                    "widths": st.lists(st.integers(1, 5), min_size=2, max_size=5).map(tuple),
+                    "rows": st.integers(1, 3),
+                    "seed": st.integers(0, 10**6),
+                    "kind": st.just(variant.split(".")[0]),
+                }
+            )
+
+        return st.integers(2 if "few" in variant else 1, max_p).flatmap(of)
+
+    return cases
 
 
-def schedule_check(kind: str, about: str) -> Check:
+def schedule_check(variant: str, about: str) -> Check:
+    kind = variant.split(".")[0]
+    hard = tuple({"p": 1, "stages": p, "m": m, "kind": kind} for p, m in HARD_SCHEDULES[variant])
     return Check(
         "pp",
-        f"schedule.{kind}",
+        f"schedule.{variant}",
         about,
         ("pipeline_schedule",),
         run_schedule,
         judge_schedule,
-        schedule_cases(kind),
-        schedule_hard(kind),
+        schedule_cases(variant),
+        hard,
     )
 
 
-def step_check(kind: str, about: str) -> Check:
+def step_check(variant: str, about: str) -> Check:
+    kind = variant.split(".")[0]
+    hard = tuple(
+        {"p": p, "m": m, "widths": (3, 5, 4, 2), "rows": 2, "seed": 40 + k, "kind": kind}
+        for k, (p, m) in enumerate(HARD_STEPS[variant])
+    )
     return Check(
         "pp",
-        f"step.{kind}",
+        f"step.{variant}",
         about,
         ("pipeline_step",),
         run_step,
         judge_step,
-        step_cases(kind),
-        step_hard(kind),
+        step_cases(variant),
+        hard,
     )
 
 
@@ -349,21 +373,29 @@ CHECKS = [
     schedule_check(
         "gpipe",
         "as data: each F and B once per stage, no deadlock, all m forwards first, bubble "
-        "(p-1)/(m+p-1) (exact)",
+        "(p-1)/(m+p-1) (exact); m any",
     ),
     schedule_check(
         "1f1b",
         "as data: each F and B once per stage, no deadlock, warm-up min(p-1-s, m) then F B "
-        "pairs, at most p - s stored, bubble (p-1)/(m+p-1) (exact)",
+        "pairs, at most p - s stored, bubble (p-1)/(m+p-1) (exact); m >= p",
+    ),
+    schedule_check(
+        "1f1b.few_microbatches",
+        "1F1B as data with m < p (stage s <= p-1-m: all forwards first): as schedule.1f1b",
     ),
     step_check(
         "gpipe",
         "one GPipe step: every stage's gradients and the m losses equal one process on the "
-        "whole batch, mean loss (1e-12)",
+        "whole batch, mean loss (1e-12); m any",
     ),
     step_check(
         "1f1b",
         "one 1F1B step: every stage's gradients and the m losses equal one process on the "
-        "whole batch, mean loss (1e-12)",
+        "whole batch, mean loss (1e-12); m >= p",
+    ),
+    step_check(
+        "1f1b.few_microbatches",
+        "one 1F1B step with m < p: gradients and losses as one process (1e-12)",
     ),
 ]

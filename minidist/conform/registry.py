@@ -8,13 +8,14 @@ else changes: the runner, the report and the command take every capability liste
 
 from __future__ import annotations
 
-from minidist.conform import collectives, data_parallel, moe, tensor_parallel
+from minidist.conform import collectives, data_parallel, moe, pipeline, tensor_parallel
 from minidist.conform.checks import Check
 
 CAPABILITIES: dict[str, list[Check]] = {
     "collectives": collectives.CHECKS,
     "dp": data_parallel.CHECKS,
     "tp": tensor_parallel.CHECKS,
+    "pp": pipeline.CHECKS,
     "moe": moe.CHECKS,
 }
 
