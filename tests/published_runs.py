@@ -83,6 +83,15 @@ NO_INTERLEAVING = ("s22", "b22", "x22")
 # tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
 NO_DROPOUT = ("x22", "m23", "d24")
 
+# Whose output layer is the embedding's matrix, its parameters counted once (plan.Shape.tied), as
+# each source counts them: Megatron-LM's GPT computes the logits with the word embeddings' weight
+# (megatron/model/gpt_model.py, parallel_lm_logits(..., word_embeddings_weight)), so Narayanan et
+# al.'s and Korthikanti et al.'s models and MT-NLG (174.6B for GPT-3's shape: Narayanan et al.,
+# table 2); BLOOM and MPT likewise (their Hugging Face configs: BloomForCausalLM ties lm_head to
+# the word embeddings; MPT's logits unembed transformer.wte). GPT-NeoX-20B ("tie_word_embeddings":
+# false in EleutherAI/gpt-neox-20b's config) and Llama (separate tok_embeddings and output) do not.
+TIED = ("n21", "k22", "s22", "b22", "m23")
+
 # Whose pipelines give the embedding and the head a layer's slot each (plan.Layout.ends): Llama 3
 # "reduce[s] one Transformer layer each from the first and the last stages", so that "the first
 # model chunk on the first stage has only the embedding, and the last model chunk on the last

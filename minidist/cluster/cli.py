@@ -36,10 +36,11 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections import Counter
 from dataclasses import asdict, replace
 
-from minidist.cluster import calibrate, plan, profiles
+from minidist.cluster import calibrate, plan, profiles, shapes
 from minidist.cluster import hardware as clusters
 from minidist.cluster import search as plan_search
 
@@ -272,10 +273,14 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
         got["framework"] = _framework(args)
+        got["conventions"] = shapes.conventions(shape)
         got["refused"] = reasons
         print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
         _print(shape, cluster, args, rows[: args.top], refused)
+        said = shapes.conventions(shape)
+        line = f"counted: parameters, {said['parameters']}; MFU, {said['mfu']}; HFU (--json), "
+        print(textwrap.fill(line + said["hfu"], 100))
         _band(rows[0])
         _why(rows)
         if measured:
@@ -330,6 +335,7 @@ def _row(shape, cluster, args, q: plan.Plan, band: bool = True) -> dict:
         "memory_gb": {k: v / 1e9 for k, v in q.memory.items()},
         "tokens_per_s": tokens_per_s,
         "mfu": mfu(shape, cluster, args.gpus, args.batch, q.seconds),
+        "hfu": mfu(shape, cluster, args.gpus, args.batch, q.seconds, q.layout.recompute),
         "days": days,
         "mwh": watts * days * 24 / 1e6,
         "usd": gpu_hours * cluster.usd_per_gpu_hour,
@@ -337,12 +343,23 @@ def _row(shape, cluster, args, q: plan.Plan, band: bool = True) -> dict:
 
 
 def mfu(
-    shape: plan.Shape, cluster: clusters.Cluster, gpus: int, batch: int, seconds: float
+    shape: plan.Shape,
+    cluster: clusters.Cluster,
+    gpus: int,
+    batch: int,
+    seconds: float,
+    recompute: str | None = None,
 ) -> float:
     """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
-    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B)."""
-    model = 3 * shape.forward_flops_per_token() * batch * shape.seq
-    return model / (seconds * gpus * cluster.gpu.peak_flops)
+    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B);
+    with recompute, hardware FLOPs utilisation instead, recompute counted as the papers count
+    it (shapes.Shape.hardware_flops_per_token)."""
+    per_token = (
+        shape.model_flops_per_token()
+        if recompute is None
+        else shape.hardware_flops_per_token(recompute)
+    )
+    return per_token * batch * shape.seq / (seconds * gpus * cluster.gpu.peak_flops)
 
 
 def _name(layout: dict) -> str:

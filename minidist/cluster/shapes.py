@@ -1,0 +1,119 @@
+"""A model's shape for the planner, and how it is counted: parameters and FLOPs, each by a
+named convention.
+
+Equals: nothing runs here; the counts are formulas of the shape. tests/test_plan.py checks them
+against Narayanan et al.'s FLOP formula and the parameter counts the models are named by.
+Parameters: L (attention + MLP) + V h for the embedding, + V h again for an untied output
+layer (tied: the output layer is the embedding's matrix, counted once, as GPT-2/3, Megatron-LM,
+BLOOM and MPT do; Llama and GPT-NeoX-20B untie it). Biases and norms (< 0.1%) are left out.
+FLOPs per token, three conventions:
+    executed   what the GPUs run: 3 forwards (forward, and a backward of twice its work), plus
+               what recompute runs again: full, the layers' forward; selective, the attention
+               core's matmuls, 4 s h a layer (step_flops_per_token: plan.step prices it)
+    model      3 forwards, no recompute, whatever the layout: MFU's numerator (Chowdhery et
+               al., PaLM, 2022, appendix B)
+    hardware   the model's plus recompute as the papers count it: full, the layers' forward
+               (Narayanan et al., SC 2021, equation 3: 96 B s l h^2 (1 + s/6h + V/16lh));
+               selective, 12 s h a layer (Korthikanti et al., 2022: their HFU of table 5 is
+               72 B s l h^2 (1 + s/3h + V/12lh), model FLOPs' s/6h twice)
+A forward: 2 x the layer's matmul parameters + 4 s h (attention scores and values) per layer,
+and 2 V h for the logits.
+Ladder: Shape -> params (tied or not) -> the three FLOP counts -> plan.py prices them.
+Paper: Narayanan et al. (SC 2021), section 5.1; Korthikanti et al. (2022).
+Lesson: lessons/13_beyond_one_machine/.   Run: minidist plan --model gpt3-175b
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer: layers, hidden size, heads (kv_heads < heads: grouped
+    queries), FFN size, vocabulary, sequence length; glu: a gated MLP (3 matrices, Llama);
+    dropout: its masks are kept for backward; tied: the output layer is the embedding's."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    kv_heads: int = 0  # 0: as many as heads
+    glu: bool = False
+    dropout: bool = True  # its masks are stored for backward (Korthikanti et al. count them)
+    tied: bool = False  # the output layer shares the embedding's matrix
+
+    def layer_params(self) -> int:
+        """Parameters of one layer's matrices (biases and norms are < 0.1%: left out)."""
+        h, kv = self.hidden, self.kv_heads or self.heads
+        attention = 2 * h * h + 2 * h * (h * kv // self.heads)  # q, out; k, v
+        return attention + (3 if self.glu else 2) * h * self.ffn
+
+    def embedding_matrices(self) -> int:
+        """V x h matrices: the embedding, and the output layer unless tied (1 or 2)."""
+        return 1 if self.tied else 2
+
+    def params(self) -> int:
+        """Every parameter: the layers, the token embedding and the output layer unless tied."""
+        return (
+            self.layers * self.layer_params() + self.embedding_matrices() * self.vocab * self.hidden
+        )
+
+    def layers_flops_per_token(self) -> int:
+        """The layers' forward: matmuls 2 x their parameters, attention scores 4 s h each."""
+        return self.layers * (2 * self.layer_params() + 4 * self.seq * self.hidden)
+
+    def forward_flops_per_token(self) -> int:
+        """The whole forward: the layers, then the logits' 2 V h."""
+        return self.layers_flops_per_token() + 2 * self.vocab * self.hidden
+
+    def step_flops_per_token(self, recompute: str = "none") -> int:
+        """Executed: forward and backward (3 forwards), plus what recompute runs again: full, the
+        layers' forward (not the logits: Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh));
+        selective, the attention core's matmuls, 4 s h a layer."""
+        again = {"none": 0, "full": self.layers_flops_per_token()}
+        again["selective"] = 4 * self.seq * self.hidden * self.layers
+        return 3 * self.forward_flops_per_token() + again[recompute]
+
+    def model_flops_per_token(self) -> int:
+        """Model FLOPs (MFU's): 3 forwards, no recompute (Chowdhery et al., appendix B)."""
+        return 3 * self.forward_flops_per_token()
+
+    def hardware_flops_per_token(self, recompute: str = "none") -> int:
+        """Hardware FLOPs (HFU's) as the papers count them: full recompute adds the layers'
+        forward (Narayanan et al., equation 3), selective 12 s h a layer (Korthikanti et al.'s
+        HFU, 1 + s/3h where model FLOPs have 1 + s/6h)."""
+        again = {"none": 0, "full": self.layers_flops_per_token()}
+        again["selective"] = 12 * self.seq * self.hidden * self.layers
+        return self.model_flops_per_token() + again[recompute]
+
+
+def conventions(shape: Shape) -> dict:
+    """How this shape's numbers are counted, in words (minidist plan prints and --json holds
+    them)."""
+    tied = "tied to the embedding, counted once" if shape.tied else "untied, counted apart"
+    return {
+        "parameters": f"the output layer {tied}",
+        "mfu": "model FLOPs, 3 forwards, no recompute (Chowdhery et al., PaLM, appendix B)",
+        "hfu": "model FLOPs and recompute: full, the layers' forward (Narayanan et al., eq. 3); "
+        "selective, 12 s h a layer (Korthikanti et al., table 5)",
+    }
+
+
+# [GPT3] Brown et al., "Language Models are Few-Shot Learners" (2020), table 2.1; vocabulary
+#        padded to 51,200 as Megatron-LM does; the output layer tied to the embedding (GPT-2's,
+#        Radford et al., 2019, as Megatron-LM trains it: 174.6B, Narayanan et al., table 2).
+#        [LLAMA2] Touvron et al., "Llama 2" (2023), table 1 and the released configs; no
+#        dropout (the released code has no dropout layer), an untied output layer (its
+#        params.json and model.py: tok_embeddings and output apart).
+#        [LLAMA3] Dubey et al., "The Llama 3 Herd of Models" (2024), table 3.
+SHAPES = {
+    "gpt3-175b": Shape("GPT-3 175B", 96, 12288, 96, 4 * 12288, 51200, 2048, tied=True),  # [GPT3]
+    "llama-70b": Shape("Llama 2 70B", 80, 8192, 64, 28672, 32000, 4096, 8, True, False),  # [LLAMA2]
+    "llama-7b": Shape("Llama 2 7B", 32, 4096, 32, 11008, 32000, 4096, 0, True, False),  # [LLAMA2]
+    "llama3-405b": Shape("Llama 3 405B", 126, 16384, 128, 53248, 128256, 8192, 8, True, False),
+    "minidist": Shape("minidist's GPT", 4, 64, 4, 256, 256, 64, dropout=False),  # train's
+}
