@@ -54,6 +54,8 @@ CAUGHT_BY = {  # a few mutants: a check that fails each, and words its report mu
     "pp_stash_as_stack": ("pp.step.1f1b", "rank 0 layer 0 weight.grad: max |difference|"),
     "moe_arrival_order_lost": ("moe.top1", "rank 0 y: max |difference|"),
     "moe_experts_summed_over_ep": ("moe.top2", "rank 0 expert 0 dL/dfc1.weight: max |d"),
+    "zero2_gradient_not_reduced": ("zero.stage2.gradients", "rank 0 step 0 gradient 4.bias[0:1]"),
+    "zero1_state_not_sharded": ("zero.stage1.memory", "rank 0 optimizer: 432 bytes held, the"),
 }
 
 

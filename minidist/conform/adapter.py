@@ -69,6 +69,27 @@ expert parallelism (moe), from the whole layer (float64; E experts, E divisible 
     After it, layer.router.weight.grad is the whole batch's gradient on every rank, and each
     held expert's .grad that of every token routed to it, from any rank (one no token reached
     may keep None).
+ZeRO (zero), AdamW on a float64 module (ranks build it with different values: rank 0's count):
+    zero(comm, module, stage, lr, betas, eps, weight_decay) -> model
+        ZeRO stage 1, 2 or 3 (NotImplementedError: that stage's checks are skipped) around
+        module, stepping torch.optim.AdamW's maths with these options. model(x) runs module's
+        forward; the kit calls backward on this rank's mean loss over its share of the batch
+    zero_step(model)                                after backward: average the gradients over
+                                                    ranks, step, drop every gradient
+    zero_parameters(model) -> {name: tensor}        optional: every parameter whole, by its
+                                                    name in module (default: module's own,
+                                                    which stages 1 and 2 keep whole)
+    zero_gradients(model) -> [(name, lo, hi, grad)] optional, after backward (before
+        zero_step): this rank's averaged gradient, as pieces: elements [lo, hi) of parameter
+        `name` flattened, grad holding hi - lo elements (any shape; read flattened)
+    zero_optimizer_state(model) -> [(name, lo, hi, {"exp_avg": t, "exp_avg_sq": t})]
+        optional, after zero_step: the AdamW state this rank holds, in pieces as above
+    zero_memory(model) -> {"params": int, "grads": int, "optimizer": int}
+        optional: the bytes this rank holds now (optimizer: the elementwise state, not the step
+        counters); asked after each backward and each zero_step
+    How a rank's shard is cut is yours (a flat buffer cut in p, whole parameters, rows): the
+    kit asks that the state's pieces cover each element exactly once across ranks (and the
+    gradient's, from stage 2).
 bytes (optional): the kit counts every byte a minidist comm sends (point-to-point; a library
 collective called on it counts as none sent). Declare which cost formula each collective
 claims, and it is checked, exactly, with N divisible by p:

@@ -24,11 +24,15 @@ from minidist.comm.protocol import reduce_
 from minidist.conform import ours
 from minidist.conform.registry import CAPABILITIES
 from minidist.conform.runner import run_threads
+from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.expert_parallel.moe import AllToAll, ExpertParallelMoE, combine, run_experts
+from minidist.memory import storage_nbytes
 from minidist.pipeline.schedules import build_schedules
 from minidist.pipeline.stage import PipelineStage
 from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from minidist.tensor_parallel.mappings import GatherFromRegion, ScatterToRegion, f, g
+from minidist.zero.stages import ZeRO1, ZeRO2, ZeRO3
+from minidist.zero.state import make_optimizer
 
 
 def _like_ours(**changes) -> SimpleNamespace:
@@ -261,6 +265,108 @@ def _moe_with(cls):
     return expert_parallel_moe
 
 
+# ---- ZeRO --------------------------------------------------------------------------------------
+
+
+class _ZeRO2LocalGradient(ZeRO2):
+    def _launch(self, unit):
+        r = self.comm.rank
+        S = unit.plan.shard_numel
+        flat = unit.flat.new_zeros(unit.flat.shape)  # (p S,)
+        for i, (q, off) in enumerate(zip(unit.params, unit.plan.offsets, strict=True)):
+            unit.used[i] = float(q.grad is not None)
+            if q.grad is not None:
+                flat[off : off + q.numel()].copy_(q.grad.reshape(-1))
+                q.grad = None
+        # bug: no reduce-scatter: this rank's own gradient, scaled as if it were the sum
+        unit.recv = flat[r * S : (r + 1) * S] * self.comm.world_size  # (S,)
+        unit.work = SimpleNamespace(wait=lambda: None)
+
+
+class _ZeRO1ShiftedShard(ZeRO1):
+    def __init__(self, module, comm, optimizer, optimizer_kwargs=None, **options):
+        super().__init__(module, comm, optimizer, optimizer_kwargs, **options)
+        k = (comm.rank + 1) % comm.world_size
+        for u in self.units:
+            S = u.plan.shard_numel
+            u.shard = u.stepped = u.flat[k * S : (k + 1) * S]  # bug: the neighbour's elements
+            u.tensors = [u.stepped[c.at : c.at + c.hi - c.lo] for c in u.pieces]
+        self.optimizer, self.group_of = make_optimizer(
+            module, self.units, optimizer, optimizer_kwargs, None
+        )
+
+
+class _ZeRO1NoGather(ZeRO1):
+    def publish(self):
+        pass  # bug: the updated shards are never all-gathered: each rank has its own new
+
+
+class _ZeRO3KeptWhole(ZeRO3):
+    def _on_grad(self, param):
+        ZeRO2._on_grad(self, param)  # bug: a unit whose gradients are all in is not freed
+
+
+class _ZeRO1Unsharded(torch.nn.Module):
+    """A ZeRO-1 that shards nothing: the gradients all-reduced, then AdamW over every parameter
+    on every rank. Right parameters; p times the optimizer state."""
+
+    def __init__(self, module, comm, kwargs):
+        super().__init__()
+        self.module = module
+        self.dp = DataParallelBucketed(module, comm, bucket_bytes=64, algorithm="ring")
+        self.optimizer = torch.optim.AdamW(module.parameters(), **kwargs)  # bug: all of it
+        self.synced = False
+
+    def forward(self, x):
+        self.synced = False
+        return self.dp(x)
+
+    def finish_gradient_sync(self):
+        if not self.synced:
+            self.dp.finish_gradient_sync()
+            self.synced = True
+
+    def step(self):
+        self.finish_gradient_sync()
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def gathered(self):
+        return contextlib.nullcontext()
+
+    def shard_pieces(self):
+        return [(n, 0, q.numel(), q) for n, q in self.module.named_parameters()]
+
+
+def _zero_with(stages: dict):
+    """ours.zero, with the classes of `stages` ({stage: class}) in place of minidist's."""
+
+    def zero(comm, module, stage, lr, betas, eps, weight_decay):
+        if stage not in stages:
+            return ours.zero(comm, module, stage, lr, betas, eps, weight_decay)
+        kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        options = {"bucket_bytes": 64} if stage == 2 else {}
+        return stages[stage](module, comm, torch.optim.AdamW, kwargs, algorithm="ring", **options)
+
+    return zero
+
+
+def _unsharded(comm, module, stage, lr, betas, eps, weight_decay):
+    kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    return _ZeRO1Unsharded(module, comm, kwargs)
+
+
+def _unsharded_memory(model):
+    state = [v for s in model.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {
+        "params": storage_nbytes(list(model.module.parameters())),
+        "grads": storage_nbytes([q.grad for q in model.module.parameters()]),
+        "optimizer": storage_nbytes(state),
+    }
+
+
 # name: (capability, the bug in words, the adapter)
 MUTANTS = {
     "avg_as_sum": (
@@ -372,6 +478,31 @@ MUTANTS = {
         "moe",
         "each expert's gradient all-reduced over the ep group, as the router's",
         _like_ours(moe_after_backward=_moe_experts_summed),
+    ),
+    "zero2_gradient_not_reduced": (
+        "zero",
+        "ZeRO-2 steps each rank's shard with its own gradient (no reduce-scatter)",
+        _like_ours(zero=_zero_with({2: _ZeRO2LocalGradient})),
+    ),
+    "zero1_shard_offset": (
+        "zero",
+        "ZeRO-1 steps the elements of shard r+1 with the gradient of shard r",
+        _like_ours(zero=_zero_with({1: _ZeRO1ShiftedShard})),
+    ),
+    "zero1_state_not_sharded": (
+        "zero",
+        "every rank keeps AdamW's state of every parameter (all-reduce, whole step)",
+        _like_ours(zero=_unsharded, zero_memory=_unsharded_memory),
+    ),
+    "zero_no_all_gather": (
+        "zero",
+        "ZeRO-1 never all-gathers the updated shards: the ranks diverge",
+        _like_ours(zero=_zero_with({1: _ZeRO1NoGather})),
+    ),
+    "zero3_unit_kept_whole": (
+        "zero",
+        "ZeRO-3 keeps a unit whole after its backward, until the step",
+        _like_ours(zero=_zero_with({3: _ZeRO3KeptWhole})),
     ),
 }
 

@@ -15,6 +15,8 @@ from minidist.pipeline.schedules import COMPUTE, LETTER, build_schedules
 from minidist.pipeline.stage import PipelineStage
 from minidist.tensor_parallel.blocks import ParallelMLP
 from minidist.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from minidist.zero import cost as zero_cost
+from minidist.zero.stages import wrap as zero_wrap
 
 COMM = "minidist"
 # the hand-written collectives are built from send/recv: the kit counts their every byte
@@ -131,3 +133,36 @@ def _moe_from_full(cls, comm, router, experts, k, capacity_factor) -> _OutputOnl
 
 def moe_after_backward(layer):
     sync_grads(layer.layer, layer.layer.comm)  # the router over every rank; experts stay
+
+
+# ---- ZeRO ------------------------------------------------------------------------------------
+
+
+def zero(comm, module, stage, lr, betas, eps, weight_decay):
+    kwargs = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    # ZeRO-2: small buckets, several units per model, reduce-scattered during backward
+    options = {"bucket_bytes": 64} if stage == 2 else {}
+    return zero_wrap(module, comm, torch.optim.AdamW, stage, kwargs, algorithm="ring", **options)
+
+
+def zero_step(model):
+    model.step()
+    model.zero_grad()
+
+
+def zero_parameters(model):
+    with model.gathered():  # ZeRO-3: whole inside, freed after
+        return {n: q.detach().clone() for n, q in model.module.named_parameters()}
+
+
+def zero_gradients(model):
+    model.finish_gradient_sync()  # the averaged shards; step() finds nothing left to do
+    return [(n, lo, hi, t.grad) for n, lo, hi, t in model.shard_pieces() if t.grad is not None]
+
+
+def zero_optimizer_state(model):
+    return [(n, lo, hi, model.optimizer.state[t]) for n, lo, hi, t in model.shard_pieces()]
+
+
+def zero_memory(model):
+    return zero_cost.memory_nbytes(model)

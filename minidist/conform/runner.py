@@ -240,6 +240,10 @@ def _read(name: str):
 def rank_job(folder: str) -> None:
     """The body of one rank of a process job: every check's cases on sub-worlds, each check's
     records written as it ends (check{i}.rank{r}.pkl)."""
+    # a rank's first torch optimizer imports torch._dynamo (seconds; 20 on a loaded CPU): every
+    # rank pays for it here, at once, not inside a case of p=1 while the others wait at a barrier
+    import torch._dynamo  # noqa: F401
+
     import minidist
     from minidist.conform.registry import checks_by_name
 
