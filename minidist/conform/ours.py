@@ -1,6 +1,6 @@
-"""minidist's own adapter: the kit's checks, pointed at minidist's collectives, data parallelism
-and tensor parallelism. Everything passes (`minidist conform minidist`), on threads, gloo and
-mpi; minidist.conform.mutants plants one bug at a time in a copy of it.
+"""minidist's own adapter: the kit's checks, pointed at minidist's own code for every capability
+in registry.py. Everything passes (`minidist conform minidist`), on threads, gloo and mpi;
+minidist.conform.mutants plants one bug at a time in a copy of it.
 """
 
 from __future__ import annotations
