@@ -17,6 +17,7 @@ import pytest
 from minidist import cli
 from minidist.conform import mutants, ours, registry, runner
 from minidist.conform.checks import draw
+from minidist.context_parallel import ring_attention as ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "lessons", "appendix_conformance", "adapter.py")
@@ -54,6 +55,8 @@ CAUGHT_BY = {  # a few mutants: a check that fails each, and words its report mu
     "pp_stash_as_stack": ("pp.step.1f1b", "rank 0 layer 0 weight.grad: max |difference|"),
     "moe_arrival_order_lost": ("moe.top1", "rank 0 y: max |difference|"),
     "moe_experts_summed_over_ep": ("moe.top2", "rank 0 expert 0 dL/dfc1.weight: max |d"),
+    "cp_causal_mask_local": ("cp.causal", "rank 0 out: max |difference|"),
+    "cp_ring_backwards": ("cp.bytes", "rank 0 sent {2: 336} B, the ring sends {1: 336} B"),
     "zero2_gradient_not_reduced": ("zero.stage2.gradients", "rank 0 step 0 gradient 4.bias[0:1]"),
     "zero1_state_not_sharded": ("zero.stage1.memory", "rank 0 optimizer: 432 bytes held, the"),
 }
@@ -88,6 +91,19 @@ def _sum_only(comm, tensor, op):
     if op != "sum":
         raise NotImplementedError("only op='sum'")
     return ours.all_reduce(comm, tensor, op)
+
+
+@pytest.mark.threads
+def test_an_adapter_that_declares_the_zigzag_layout_gets_chunks_r_and_2p_1_r():
+    zigzag = SimpleNamespace(COMM="minidist", CP_LAYOUT="zigzag", ring_attention=_zigzag_ring)
+    result = runner.run_threads(zigzag, check("cp.causal"), 1)
+    assert result.status == "passed", result
+    undeclared = SimpleNamespace(COMM="minidist", ring_attention=_zigzag_ring)
+    assert runner.run_threads(undeclared, check("cp.causal"), 1).status == "failed"
+
+
+def _zigzag_ring(comm, q, k, v, causal):
+    return ring.ring_attention(q, k, v, comm, "zigzag", causal=causal)
 
 
 @pytest.mark.pure

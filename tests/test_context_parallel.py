@@ -1,5 +1,5 @@
 """Context parallelism (ring attention) equals causal attention over the whole sequence in one
-process, on every rank.
+process, on every rank (and, with causal=False, attention without the mask).
 
 Recipe: every rank builds q, k, v and the upstream gradient of the whole sequence from one seed,
 runs plain causal attention (the (T, T) scores materialized, torch.softmax, autograd; checked
@@ -49,11 +49,13 @@ def positions(t: int, cp: int, rank: int, layout: str) -> torch.Tensor:
     )
 
 
-def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d) + causal mask) v, one process: (B, H, T, d) -> (B, H, T, d)."""
+def causal_attention(q, k, v, causal: bool = True):
+    """softmax(q k^T / sqrt(d) + causal mask) v, one process: (B, H, T, d) -> (B, H, T, d);
+    causal=False: without the mask."""
     t = q.shape[2]
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    if causal:
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return torch.softmax(s, -1) @ v
 
 
@@ -64,7 +66,8 @@ def leaf(t):
 def ring_matches(comm, case: dict) -> None:
     """ring_attention vs causal_attention: the output and the gradients of q, k, v, this rank's
     tokens; q, k, v handed over non-contiguous. q x 1000: exp() of a score overflows float64
-    unless every exponent is taken relative to a log-sum-exp."""
+    unless every exponent is taken relative to a log-sum-exp. case["causal"] False (default
+    True): both without the mask."""
     cp_module = impl("context_parallel.ring_attention")
     cp = comm.world_size
     r = comm.rank
@@ -76,18 +79,19 @@ def ring_matches(comm, case: dict) -> None:
     q, k, v, grad = (torch.randn(shape, generator=gen, dtype=F64).to(dev) for _ in range(4))
     q = q * case["scale"]
     full = [leaf(x) for x in (q, k, v)]
-    y_ref = causal_attention(*full)
+    causal = case.get("causal", True)
+    y_ref = causal_attention(*full, causal)
     y_ref.backward(grad)
     mine = positions(t, cp, r, layout).to(dev)
     cut = lambda x: x.index_select(2, mine)  # noqa: E731
     local = [leaf(cut(x).transpose(1, 2).contiguous().transpose(1, 2)) for x in (q, k, v)]
-    y = cp_module.ring_attention(*local, comm, layout)
+    y = cp_module.ring_attention(*local, comm, layout, causal=causal)
     y.backward(cut(grad))
     pairs = {"y": (y, cut(y_ref))}
     for name, got, want in zip(("q", "k", "v"), local, full, strict=True):
         pairs[f"dL/d{name}"] = (got.grad, cut(want.grad))
     if r == 0:  # the reference itself, once: torch's own causal attention
-        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         pairs["reference vs sdpa"] = (y_ref.detach(), sdpa)
     pairs["y on the inputs' device"] = (torch.tensor(y.device.type == dev.type), torch.tensor(True))
     # q x s: a score carries the rounding of eps x |score|, about eps x s, and dL/dk = dS^T q
@@ -115,6 +119,13 @@ ring_cases = st.fixed_dictionaries(
 @given(st.integers(1, 6), ring_cases)
 def test_ring_attention_threads(cp, case):
     run_threads(ring_matches, cp, case, **FAST)
+
+
+@pytest.mark.threads
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 6), ring_cases)
+def test_ring_attention_without_the_mask_threads(cp, case):
+    run_threads(ring_matches, cp, case | {"causal": False}, **FAST)
 
 
 def layer_matches(comm, case: dict) -> None:
@@ -173,6 +184,21 @@ def test_the_plan_computes_every_causal_pair_once(cp, layout):
     c = 2 * cp if layout == "zigzag" else cp
     want = [(i, j, i == j) for i in range(c) for j in range(i + 1)]
     assert sorted(seen) == sorted(want)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("layout", ["plain", "zigzag"])
+@pytest.mark.parametrize("cp", [1, 3, 4])
+def test_the_plan_without_the_mask_computes_every_pair_once_unmasked(cp, layout):
+    cpm = impl("context_parallel.ring_attention")
+    seen = []
+    for rank in range(cp):
+        mine = cpm.chunks_of(cp, rank, layout)
+        for step, pairs in enumerate(cpm.ring_plan(cp, rank, layout, causal=False)):
+            theirs = cpm.chunks_of(cp, (rank - step) % cp, layout)
+            seen += [(mine[a], theirs[b], diagonal) for a, b, diagonal in pairs]
+    c = 2 * cp if layout == "zigzag" else cp
+    assert sorted(seen) == [(i, j, False) for i in range(c) for j in range(c)]
 
 
 @pytest.mark.pure

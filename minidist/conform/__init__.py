@@ -18,6 +18,7 @@ tensor_parallel.py  capability "tp": column- and row-parallel linear, the parall
 pipeline.py         capability "pp": GPipe and 1F1B schedules as data, a pipelined step against
                     one process
 moe.py              capability "moe": an expert-parallel mixture of experts against one process
+context_parallel.py capability "cp": ring attention, causal and not, against one process
 zero.py             capability "zero": ZeRO stages 1-3 with AdamW against one process; the
                     shards of state and gradient, the bytes held against the paper's formula
 registry.py         every capability by its --only name

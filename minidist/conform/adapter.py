@@ -69,6 +69,13 @@ expert parallelism (moe), from the whole layer (float64; E experts, E divisible 
     After it, layer.router.weight.grad is the whole batch's gradient on every rank, and each
     held expert's .grad that of every token routed to it, from any rank (one no token reached
     may keep None).
+context parallelism (cp), ring attention (float64):
+    ring_attention(comm, q, k, v, causal) -> out    q, k, v: (B, H, T/p, d), this rank's tokens
+        r*T/p .. (r+1)*T/p - 1 (non-contiguous tensors); out: (B, H, T/p, d), these queries'
+        softmax(q k^T / sqrt(d) + mask) v over the whole sequence, the mask causal on global
+        positions (causal=True) or none. Backward through autograd: dL/dk and dL/dv of this
+        rank's keys and values hold every rank's queries' part. CP_LAYOUT = "zigzag" (default
+        "plain"): this rank's tokens are chunks r and 2p-1-r of 2p instead, in that order
 ZeRO (zero), AdamW on a float64 module (ranks build it with different values: rank 0's count):
     zero(comm, module, stage, lr, betas, eps, weight_decay) -> model
         ZeRO stage 1, 2 or 3 (NotImplementedError: that stage's checks are skipped) around
@@ -99,6 +106,8 @@ claims, and it is checked, exactly, with N divisible by p:
     over all ranks together; direct: each row straight to its destination, nothing else.
     "expert_parallel_moe": "direct": each kept row straight to its expert's rank and back,
     forward and backward, and an int64 count per expert to each rank, nothing else.
+    "ring_attention": "ring": to rank+1 only, 2 (p-1) blocks of k|v forward, 2 (p-1) of k|v
+    and 2p of dk|dv backward, a block B*H*(T/p)*d elements.
 With a torch or mpi4py communicator the kit cannot count: give `bytes_sent(comm) -> int` (bytes
 this rank sent so far) and the totals are checked (per peer only where the kit counts).
 

@@ -12,6 +12,7 @@ accepts `module:name`); MUTANTS says which capability it belongs to and what the
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import time
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ from minidist.comm.protocol import reduce_
 from minidist.conform import ours
 from minidist.conform.registry import CAPABILITIES
 from minidist.conform.runner import run_threads
+from minidist.context_parallel import ring_attention as ring
 from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.expert_parallel.moe import AllToAll, ExpertParallelMoE, combine, run_experts
 from minidist.memory import storage_nbytes
@@ -367,6 +369,47 @@ def _unsharded_memory(model):
     }
 
 
+# ---- context parallelism -----------------------------------------------------------------------
+
+
+def _ring_module_with(**changes):
+    """A fresh copy of minidist's ring_attention module with `changes` among its globals: its
+    RingAttention calls them in place of the originals (the original module is untouched)."""
+    spec = importlib.util.find_spec("minidist.context_parallel.ring_attention")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    vars(module).update(changes)
+    return module
+
+
+def _plan_local_mask(cp, rank, layout, causal=True):
+    pairs = ring.ring_plan(cp, rank, layout, causal=False)  # every pair of chunks
+    return [[(a, b, causal) for a, b, _ in step] for step in pairs]  # bug: each block masked
+    # by its tokens' local positions, as if every block were on the diagonal
+
+
+def _merge_not_rescaled(out, lse, out_block, lse_block):
+    new = torch.logaddexp(lse, lse_block)  # (B, H, m)
+    weight_block = torch.exp(lse_block - new)
+    return out + out_block * weight_block.unsqueeze(-1), new  # bug: out kept at its old scale
+
+
+def _pass_backwards(t, comm, tag):
+    cp, rank = comm.world_size, comm.rank
+    arriving = torch.empty_like(t)
+    works = [comm.irecv(arriving, (rank + 1) % cp, tag), comm.isend(t, (rank - 1) % cp, tag)]
+    return arriving, works  # bug: to rank-1, so a rank holds rank+s's block, not rank-s's
+
+
+def _ring_with(**changes):
+    module = _ring_module_with(**changes)
+
+    def ring_attention(comm, q, k, v, causal):
+        return module.ring_attention(q, k, v, comm, "plain", causal=causal)
+
+    return ring_attention
+
+
 # name: (capability, the bug in words, the adapter)
 MUTANTS = {
     "avg_as_sum": (
@@ -478,6 +521,21 @@ MUTANTS = {
         "moe",
         "each expert's gradient all-reduced over the ep group, as the router's",
         _like_ours(moe_after_backward=_moe_experts_summed),
+    ),
+    "cp_causal_mask_local": (
+        "cp",
+        "the causal mask applied on each block's local positions, not the global ones",
+        _like_ours(ring_attention=_ring_with(ring_plan=_plan_local_mask)),
+    ),
+    "cp_merge_not_rescaled": (
+        "cp",
+        "the running output not rescaled by exp(lse - new lse) when a block is merged",
+        _like_ours(ring_attention=_ring_with(merge=_merge_not_rescaled)),
+    ),
+    "cp_ring_backwards": (
+        "cp",
+        "k|v (and dk|dv) passed to rank-1, against the plan's direction",
+        _like_ours(ring_attention=_ring_with(pass_on=_pass_backwards)),
     ),
     "zero2_gradient_not_reduced": (
         "zero",

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from minidist.collectives import algorithms as C
+from minidist.context_parallel import ring_attention as ring
 from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.expert_parallel.moe import ExpertParallelMoE, sync_grads
 from minidist.pipeline.schedules import COMPUTE, LETTER, build_schedules
@@ -27,6 +28,7 @@ BYTES = {
     "broadcast": "tree",
     "all_to_all": "direct",
     "expert_parallel_moe": "direct",  # the all-to-alls of expert parallelism, from send/recv
+    "ring_attention": "ring",  # k|v and dk|dv to the next rank, by isend/irecv
 }
 
 
@@ -133,6 +135,13 @@ def _moe_from_full(cls, comm, router, experts, k, capacity_factor) -> _OutputOnl
 
 def moe_after_backward(layer):
     sync_grads(layer.layer, layer.layer.comm)  # the router over every rank; experts stay
+
+
+# ---- context parallelism -----------------------------------------------------------------------
+
+
+def ring_attention(comm, q, k, v, causal):
+    return ring.ring_attention(q, k, v, comm, "plain", causal=causal)
 
 
 # ---- ZeRO ------------------------------------------------------------------------------------

@@ -8,7 +8,15 @@ else changes: the runner, the report and the command take every capability liste
 
 from __future__ import annotations
 
-from minidist.conform import collectives, data_parallel, moe, pipeline, tensor_parallel, zero
+from minidist.conform import (
+    collectives,
+    context_parallel,
+    data_parallel,
+    moe,
+    pipeline,
+    tensor_parallel,
+    zero,
+)
 from minidist.conform.checks import Check
 
 CAPABILITIES: dict[str, list[Check]] = {
@@ -17,6 +25,7 @@ CAPABILITIES: dict[str, list[Check]] = {
     "tp": tensor_parallel.CHECKS,
     "pp": pipeline.CHECKS,
     "moe": moe.CHECKS,
+    "cp": context_parallel.CHECKS,
     "zero": zero.CHECKS,
 }
 

@@ -2,10 +2,10 @@
 values travel around a ring while each rank merges its queries' attention block by block.
 
 Equals: causal softmax attention over the whole sequence in one process, softmax(q k^T / sqrt(d)
-+ mask) v with the (T, T) scores materialized: the output and the gradients of q, k and v, on
-each rank its own tokens; ContextParallelSelfAttention: also its weights' gradients, summed
-over cp. float64: 1e-12 relative (the log-sum-exp merge adds the blocks' exponentials in
-another order than one softmax); at cp = 1 no message is sent.
++ mask) v with the (T, T) scores materialized (causal=False: without the mask): the output and
+the gradients of q, k and v, on each rank its own tokens; ContextParallelSelfAttention: also its
+weights' gradients, summed over cp. float64: 1e-12 relative (the log-sum-exp merge adds the
+blocks' exponentials in another order than one softmax); at cp = 1 no message is sent.
 Communication per attention call, per rank (cp ranks on cp_comm, n = B*H*(T/cp)*d elements in
 each of this rank's q, k, v; b bytes each), point to point, to the next rank on the ring only:
   forward   cp-1 messages of k|v (2n elements):               2 (cp-1) n b
@@ -87,16 +87,22 @@ def shard_sequence(x: torch.Tensor, cp_comm, layout: str = "zigzag", dim: int = 
     return torch.cat(parts, dim)
 
 
-def ring_plan(cp: int, rank: int, layout: str) -> list[list[tuple[int, int, bool]]]:
+def ring_plan(
+    cp: int, rank: int, layout: str, causal: bool = True
+) -> list[list[tuple[int, int, bool]]]:
     """For each ring step s (rank holds the k|v of rank (rank - s) mod cp): the pairs
     (query slot, key slot, diagonal) it computes; slot i is the i-th chunk a rank holds.
     A query chunk sees a key chunk that comes before it wholly, itself under the causal mask,
-    and a later one not at all (skipped: the work the mask saves)."""
+    and a later one not at all (skipped: the work the mask saves). causal=False: every pair,
+    wholly (diagonal False: nothing masked)."""
     mine = chunks_of(cp, rank, layout)
     plan = []
     for step in range(cp):
         theirs = chunks_of(cp, (rank - step) % cp, layout)
         pairs = [(a, b, qa == kb) for a, qa in enumerate(mine) for b, kb in enumerate(theirs)]
+        if not causal:
+            plan.append([(a, b, False) for a, b, _ in pairs])
+            continue
         plan.append([(a, b, diagonal) for a, b, diagonal in pairs if mine[a] >= theirs[b]])
     return plan
 
@@ -187,7 +193,8 @@ def _rows(t: torch.Tensor, slot: int, m: int) -> torch.Tensor:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries to the whole sequence, k|v passed around the ring.
+    """Causal attention of this rank's queries to the whole sequence, k|v passed around the ring
+    (causal=False: unmasked, every query to every key).
 
     q, k, v: (B, H, T/cp, d), this rank's chunks in order (shard_sequence) -> out (B, H, T/cp, d).
     Forward: cp steps; at step s this rank holds rank (rank - s)'s k|v, sends it on while it
@@ -196,9 +203,10 @@ class RingAttention(torch.autograd.Function):
     holds to the sum that travels with that block, which comes home after cp hops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, layout: str, stats):
+    def forward(ctx, q, k, v, comm, layout: str, stats, causal: bool):
         cp = comm.world_size
-        plan, m = ring_plan(cp, comm.rank, layout), q.shape[2] // len(chunks_of(cp, 0, layout))
+        plan = ring_plan(cp, comm.rank, layout, causal)
+        m = q.shape[2] // len(chunks_of(cp, 0, layout))
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)  # (B, H, T/cp, d)
         lse = torch.full(q.shape[:3], -math.inf, dtype=q.dtype, device=q.device)  # (B, H, T/cp)
@@ -256,7 +264,7 @@ class RingAttention(torch.autograd.Function):
         if cp > 1:
             wait_all(grad_works)
             grad_kv = grad_in  # this rank's own block: every rank's part summed
-        return grad_q, grad_kv[0], grad_kv[1], None, None, None
+        return grad_q, grad_kv[0], grad_kv[1], None, None, None, None
 
 
 def _step_grads(ctx, pairs, q, kv, grad_out, lse, delta, grad_q) -> torch.Tensor:
@@ -287,8 +295,11 @@ def _record(stats: dict | None, pairs, m: int, started: float) -> None:
         stats["seconds"] = stats.get("seconds", 0.0) + time.perf_counter() - started
 
 
-def ring_attention(q, k, v, cp_comm, layout: str = "zigzag", stats: dict | None = None):
-    """Causal softmax attention of the whole sequence, split over cp_comm (see RingAttention).
+def ring_attention(
+    q, k, v, cp_comm, layout: str = "zigzag", stats: dict | None = None, causal: bool = True
+):
+    """Causal softmax attention of the whole sequence, split over cp_comm (see RingAttention);
+    causal=False: no mask (every query attends to every key).
 
     q, k, v: (B, H, T/cp, d), this rank's tokens (shard_sequence) -> (B, H, T/cp, d).
     stats, if given, gains "pairs" (query-key pairs computed, forward and backward) and
@@ -302,7 +313,7 @@ def ring_attention(q, k, v, cp_comm, layout: str = "zigzag", stats: dict | None 
     except ValueError as e:
         raise ValueError(f"q, k, v hold {n} tokens per rank: {e}") from None
     return RingAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), cp_comm, layout, stats
+        q.contiguous(), k.contiguous(), v.contiguous(), cp_comm, layout, stats, causal
     )
 
 
