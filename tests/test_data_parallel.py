@@ -312,6 +312,24 @@ def test_used_gradients_are_averaged_and_unused_ones_stay_none():
 
 
 @pytest.mark.pure
+def test_averages_go_into_each_gradients_own_memory_unless_views_are_asked_for():
+    """as_views=False (DataParallelBucketed's default): a .grad that exists receives the average
+    in place (the division is the copy, as DDP copies back); one that is None gets a new tensor;
+    neither aliases the bucket, so the next step's copy into it cannot change them."""
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))]
+    params[0].grad = torch.full((2,), 7.0)  # this rank's own gradient, already in the bucket
+    own = params[0].grad
+    flat = torch.tensor([4.0, 8.0, 6.0, 2.0, 1.0])  # 3 sums, then 2 flags
+    views = list(flat[:3].split([2, 1]))
+    impl("data_parallel.wrappers")._used_and_average(flat, params, views, 4, as_views=False)
+    assert params[0].grad is own and torch.equal(own, torch.tensor([1.0, 2.0])), own
+    assert torch.equal(params[1].grad, torch.tensor([1.5])), params[1].grad
+    assert torch.equal(flat, torch.tensor([4.0, 8.0, 6.0, 2.0, 1.0])), "the bucket is unchanged"
+    flat.zero_()
+    assert own.tolist() == [1.0, 2.0] and params[1].grad.tolist() == [1.5]
+
+
+@pytest.mark.pure
 def test_assign_buckets_tiles_in_order():
     dp_mod = impl("data_parallel.wrappers")
 

@@ -87,13 +87,22 @@ def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     # lab 04.1 end
 
 
-def _used_and_average(flat: torch.Tensor, params: list, views: list, p: int) -> None:
+def _used_and_average(flat: torch.Tensor, params: list, views: list, p: int, as_views=True) -> None:
     """After the all-reduce of [grads..., flags...]: average the grads; a parameter whose flag
-    sums to 0 was unused on every rank and keeps grad None."""
-    # lab 04.3 begin: flags = the last P elements; divide each used view by p, else grad None
+    sums to 0 was unused on every rank and keeps grad None. as_views: .grad becomes the bucket's
+    view, divided in place; else the average is written into .grad's own memory, the division
+    and the copy one pass (a .grad that is None gets a new tensor), as torch's DDP copies back."""
+    # lab 04.3 begin: flags = the last P elements; each used view / p into .grad, else grad None
     flags = flat[len(flat) - len(params) :]  # (P,) how many ranks produced each gradient
     for param, view, used in zip(params, views, flags.tolist(), strict=True):
-        param.grad = view.div_(p).view_as(param) if used > 0 else None
+        if used == 0:
+            param.grad = None  # no rank used it: as in one process
+        elif as_views:
+            param.grad = view.div_(p).view_as(param)
+        elif param.grad is None:  # used on other ranks only
+            param.grad = view.view_as(param) / p
+        else:
+            torch.div(view.view_as(param), p, out=param.grad)
     # lab 04.3 end
 
 
@@ -250,11 +259,7 @@ class DataParallelBucketed(nn.Module):
         p = self.comm.world_size
         for bucket in self.buckets:
             bucket.work.wait()
-            _used_and_average(bucket.flat, bucket.params, bucket.views, p)
-            if not self.views_as_grads:  # hand back tensors that do not alias the buffer
-                for param in bucket.params:
-                    if param.grad is not None:
-                        param.grad = param.grad.clone()
+            _used_and_average(bucket.flat, bucket.params, bucket.views, p, self.views_as_grads)
             bucket.ready = [False] * len(bucket.params)
             bucket.work = None
         self.next_launch = 0

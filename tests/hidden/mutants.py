@@ -235,22 +235,22 @@ MUTANTS: list[Mutant] = [
         "04",
         "04.3",
         "missing average: the gradients stay summed over the ranks",
-        "param.grad = view.div_(p).view_as(param) if used > 0 else None",
-        "param.grad = view.view_as(param) if used > 0 else None",
+        "torch.div(view.view_as(param), p, out=param.grad)",
+        "param.grad.copy_(view.view_as(param))",
     ),
     Mutant(
         "04",
         "04.3",
         "averaged over the ranks that used the parameter, not over p",
-        "param.grad = view.div_(p).view_as(param) if used > 0 else None",
-        "param.grad = view.div_(used).view_as(param) if used > 0 else None",
+        "torch.div(view.view_as(param), p, out=param.grad)",
+        "torch.div(view.view_as(param), used, out=param.grad)",
     ),
     Mutant(
         "04",
         "04.3",
         "a parameter no rank used gets a zero gradient (the optimizer then moves it)",
-        "param.grad = view.div_(p).view_as(param) if used > 0 else None",
-        "param.grad = view.div_(p).view_as(param)",
+        "param.grad = None  # no rank used it: as in one process",
+        "param.grad = view.view_as(param).zero_()",
     ),
     # ---- 05: tensor parallelism (minidist/tensor_parallel/layers.py) -----------------------------
     Mutant(
