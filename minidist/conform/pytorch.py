@@ -169,3 +169,172 @@ def parallel_mlp(comm, fc1, fc2):
 
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     return _Local(parallelize_module(_MLP(fc1, fc2), _mesh(comm), plan))
+
+
+# ---- pipeline parallelism ----------------------------------------------------------------------
+
+
+def _schedules() -> dict:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def _refuses(kind: str, n_stages: int, n_microbatches: int) -> None:
+    if kind == "1f1b" and n_microbatches < n_stages:  # Schedule1F1B's own check, said first
+        raise NotImplementedError(
+            f"Schedule1F1B refuses n_microbatches={n_microbatches} < {n_stages} stages"
+        )
+
+
+def pipeline_schedule(kind, n_stages, n_microbatches):
+    """The schedule's own program (_get_pipeline_order, what torch draws and simulates), built
+    without a stage or a group: it depends on the numbers alone."""
+    _refuses(kind, n_stages, n_microbatches)
+    schedule = object.__new__(_schedules()[kind])
+    schedule._num_stages = n_stages
+    schedule._n_microbatches = n_microbatches
+    order = schedule._get_pipeline_order()
+    return [
+        [
+            (a.computation_type.value, a.microbatch_index)
+            for a in order[s]
+            if a is not None and a.computation_type.value in ("F", "B")
+        ]
+        for s in range(n_stages)
+    ]
+
+
+def pipeline_step(comm, kind, stage, n_microbatches, inputs, targets, loss_fn):
+    from torch.distributed.pipelining import PipelineStage
+
+    r = dist.get_rank(comm)
+    p = dist.get_world_size(comm)
+    _refuses(kind, p, n_microbatches)
+    pipe = PipelineStage(stage, r, p, torch.device("cpu"), group=comm)
+    schedule = _schedules()[kind](pipe, n_microbatches, loss_fn=loss_fn)
+    losses = []
+    args = (torch.cat(inputs),) if r == 0 else ()
+    target = torch.cat(targets) if r == p - 1 else None
+    schedule.step(*args, target=target, losses=losses if r == p - 1 else None)
+    return losses
+
+
+# ---- ZeRO --------------------------------------------------------------------------------------
+
+
+class _Sharded(nn.Module):
+    """A module under ZeroRedundancyOptimizer (stage 1, with DDP averaging the gradients) or
+    FSDP2's fully_shard (stage 2: reshard_after_forward=False, the parameters kept whole from
+    forward to backward; stage 3: resharded after forward), with its AdamW."""
+
+    def __init__(self, module: nn.Module, wrapped: nn.Module, optimizer, stage: int):
+        super().__init__()
+        self.module = module
+        self.wrapped = wrapped
+        self.optimizer = optimizer
+        self.stage = stage
+
+    def forward(self, x):
+        return self.wrapped(x)
+
+
+def zero(comm, module, stage, lr, betas, eps, weight_decay):
+    adamw = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    if stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(module, process_group=comm)
+        optimizer = ZeroRedundancyOptimizer(
+            module.parameters(), torch.optim.AdamW, process_group=comm, **adamw
+        )
+        return _Sharded(module, ddp, optimizer, stage)
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.no_grad():  # fully_shard keeps each rank's values: rank 0's must win
+        for q in module.parameters():
+            dist.broadcast(q, group_src=0, group=comm)
+    mesh = _mesh(comm)
+    for layer in module.children():
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3)
+    fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
+    optimizer = torch.optim.AdamW(module.parameters(), **adamw)
+    return _Sharded(module, module, optimizer, stage)
+
+
+def zero_step(model):
+    model.optimizer.step()
+    model.optimizer.zero_grad(set_to_none=True)
+
+
+def zero_parameters(model):
+    """Every parameter whole: FSDP2's all-gathered (full_tensor, a collective every rank
+    calls in the same order), ZeroRedundancyOptimizer's the module's own."""
+    return {name: _full(q) for name, q in model.module.named_parameters()}
+
+
+def _full(q):
+    return q.full_tensor().detach() if hasattr(q, "full_tensor") else q.detach()
+
+
+def _pieces(model, of) -> list:
+    """[(name, lo, hi, of(q))] for the elements of each parameter this rank holds: a DTensor's
+    local rows (FSDP2 shards dim 0), a plain tensor whole."""
+    pieces = []
+    for name, q in model.module.named_parameters():
+        held = of(q)
+        if held is None:
+            continue
+        if hasattr(q, "to_local"):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(
+                q.shape, q.device_mesh, q.placements
+            )
+            row = q[0].numel() if q.dim() > 0 else 1
+            lo = offset[0] * row if q.dim() > 0 else 0
+            held = {k: v.to_local() for k, v in held.items()} if isinstance(held, dict) else held
+            held = held if isinstance(held, dict) else held.to_local()
+            n = 1
+            for side in shape:
+                n *= side
+            pieces.append((name, lo, lo + n, held))
+        else:
+            pieces.append((name, 0, q.numel(), held))
+    return pieces
+
+
+def zero_gradients(model):
+    return _pieces(model, lambda q: q.grad)
+
+
+def _state(model, q):
+    """q's AdamW state on this rank (None: another rank's, under ZeroRedundancyOptimizer)."""
+    optimizer = model.optimizer.optim if model.stage == 1 else model.optimizer
+    state = optimizer.state.get(q)
+    if not state:
+        return None
+    return {k: state[k] for k in ("exp_avg", "exp_avg_sq")}
+
+
+def zero_optimizer_state(model):
+    return _pieces(model, lambda q: _state(model, q))
+
+
+def zero_memory(model):
+    """The bytes this rank holds now: each parameter's and gradient's local part, and the
+    AdamW state it keeps (ZeroRedundancyOptimizer: of the parameters its rank owns)."""
+
+    def nbytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(model.module.parameters())
+    held = {"params": 0, "grads": 0, "optimizer": 0}
+    for q in params:
+        held["params"] += nbytes(q)
+        held["grads"] += 0 if q.grad is None else nbytes(q.grad)
+        state = _state(model, q)
+        held["optimizer"] += 0 if state is None else sum(nbytes(v) for v in state.values())
+    return held
