@@ -14,10 +14,21 @@ dp           torch.nn.parallel.DistributedDataParallel with find_unused_paramete
 tp           DTensor: parallelize_module with ColwiseParallel / RowwiseParallel on a
              DeviceMesh of the group. The kit reads each layer's weight and bias as this rank's
              slice with its gradient: _Local hands out the DTensors' local shards.
+pp           torch.distributed.pipelining: PipelineStage and ScheduleGPipe / Schedule1F1B (the
+             step), and each schedule's own program (_get_pipeline_order, the one torch draws
+             and simulates) as the schedule's data.
+zero         stage 1: ZeroRedundancyOptimizer(AdamW) with DDP averaging the gradients; stages 2
+             and 3: FSDP2's fully_shard on every layer and the root, the parameters kept whole
+             from forward to backward (reshard_after_forward=False, ZeRO-2's trade) or
+             resharded after forward (ZeRO-3), with AdamW over the sharded parameters. FSDP2
+             keeps each rank's initial values, so rank 0's are broadcast before fully_shard.
+moe, cp      not offered: PyTorch has no expert-parallel MoE layer, and its ring attention
+             (torch.distributed.tensor.experimental.context_parallel) replaces the CUDA
+             attention kernels only (flash, efficient, cuDNN), none of which runs on the CPU.
 
 What PyTorch does not pass, and why, is in lessons/appendix_conformance/README.md ("PyTorch,
 judged").
-Run: minidist conform pytorch --only collectives,dp,tp
+Run: minidist conform pytorch
 """
 
 from __future__ import annotations
