@@ -148,6 +148,13 @@ def test_the_command_exits_1_on_a_failure_naming_check_world_example_difference(
 
 
 @pytest.mark.pure
+def test_the_commands_help_names_every_capability_of_the_registry():
+    from minidist.conform import command
+
+    assert command.CAPABILITIES == tuple(registry.CAPABILITIES)
+
+
+@pytest.mark.pure
 def test_the_command_exits_2_naming_what_it_cannot_use(capsys):
     code, _, err = run_command(["no/such/adapter.py"], capsys)
     assert code == 2 and "no such adapter file" in err, err

@@ -18,18 +18,21 @@ import sys
 
 BACKENDS = ("threads", "gloo", "mpi")
 EXAMPLES = 25  # drawn cases per check on threads (the process tier draws a fifth)
+# registry.CAPABILITIES' names, said here without importing the kit (tests/test_conform.py
+# keeps the two equal)
+CAPABILITIES = ("collectives", "dp", "tp", "pp", "moe", "cp", "zero")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "conform",
-        help="check your collectives, data or tensor parallelism against minidist's tests",
+        help="check your collectives, parallelisms or ZeRO against minidist's tests",
     )
     p.add_argument("adapter", help="adapter file, module, or module:name ('minidist': ours)")
     p.add_argument(
         "--only",
         default=None,
-        help="capabilities, comma-separated: collectives,dp,tp (default: all)",
+        help=f"capabilities, comma-separated: {','.join(CAPABILITIES)} (default: all)",
     )
     p.add_argument(
         "--backend",
