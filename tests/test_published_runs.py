@@ -84,9 +84,12 @@ def predicted(rid: str, layout=None, eff=None) -> plan.Plan:
     c = cluster_of(rid)
     eff = eff or efficiency_of(rid)
     x = layout or layout_of(rid)
-    return plan.evaluate(
-        shape_of(rid), x, c, row[4], row[10], eff, bool(row[13]), profile=profile_of(rid)
-    )
+    shape, flash, profile = shape_of(rid), bool(row[13]), profile_of(rid)
+    got = plan.evaluate(shape, x, c, row[4], row[10], eff, flash, profile=profile)
+    if got.memory and not got.parts:  # refused for its memory alone: priced all the same
+        parts = plan.step(shape, x, c, row[10], eff, flash=flash, profile=profile)
+        got = replace(got, parts=parts)
+    return got
 
 
 def error(rid: str, eff=None) -> float:
@@ -137,19 +140,19 @@ INF = float("inf")
 ERRORS = plan.VALIDATION_ERRORS  # pinned there: plan.error_band draws from them
 # the gap between the published layout and the planner's first with the same techniques; INF:
 # the planner's memory model does not fit the published layout (Llama 3 with every technique
-# its section 3.3.2 states, ZeRO-2, sp, v = 8, ends: 82.8 GB a GPU, 75.7 GB of it activations,
+# its section 3.3.2 states, ZeRO-2, sp, v = 8, ends: 82.2 GB a GPU, 75.1 GB of it activations,
 # 141 layer-microbatches in flight on the second stage under Megatron-LM's interleaved schedule;
 # the paper's own schedule, tunable in N, and its deallocations fit 80 GB, unquantified; within
 # the memory it needs, it ranks first: test_llama3_ranks_first_among_the_layouts_that_fit_...)
 RANKING = {
     "r00": 0.0,
     "r01": 0.024,
-    "r02": 0.0,
+    "r02": 0.002,
     "r03": 0.087,
     "r04": 0.127,
-    "r05": 0.026,
+    "r05": 0.001,
     "r06": 0.015,
-    "r07": 0.0,
+    "r07": 0.011,
     "r08": 0.0,
     "r09": 0.045,
     "r10": 0.0,
@@ -158,13 +161,13 @@ RANKING = {
     "r13": 0.0,
     "r14": 0.0,
     "r15": 0.0,
-    "r19": 0.0,
-    "r20": 0.002,
-    "r21": 0.026,
+    "r19": 0.011,
+    "r20": 0.022,
+    "r21": 0.058,
     "r22": 0.0,
     "r23": 0.041,
     "r24": 0.005,
-    "r25": 0.006,
+    "r25": 0.009,
     "r26": 0.0,
     "r27": 0.0,
     "r28": 0.0,
@@ -229,12 +232,15 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     # not 32 of 4) and a data-parallel ring with two ranks a node, so on two network cards where
     # the published layout's dp ring has one rank a node and one card (NCCL runs a ring on
     # every card: cluster/network.py), its gradients after the flush cost 1.8% of the step;
-    # Llama 3: see RANKING
-    assert misses == ["r03", "r04", "r37", "r38", "r39"], misses
+    # Llama 3: see RANKING; PTD 529.6B on 2240 GPUs: the planner prefers the same tp8 pp35
+    # interleaved by 3 (5.8% faster: a third of the bubble), as the paper's table 1 ran the
+    # same model on the same tp8 pp35 with v = 3 (163 TFLOP/s on 2520 GPUs, 280 microbatches
+    # as here, against this row's 159): v = 1 is the row's assumption (published.ASSUMED)
+    assert misses == ["r03", "r04", "r21", "r37", "r38", "r39"], misses
 
 
 def test_llama3_ranks_first_among_the_layouts_that_fit_its_own_memory():
-    # the misses r38, r39 are memory, not time: given the 82.8 GB the memory model says the
+    # the misses r38, r39 are memory, not time: given the 82.2 GB the memory model says the
     # published layout needs, no layout with its techniques that fits the same is faster
     for rid in ("r38", "r39"):
         ours, rivals = ranked(rid, own_memory=True)

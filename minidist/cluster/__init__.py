@@ -4,9 +4,11 @@ hardware.py   GPUs, links and clusters with their sources; the time of a message
               all-reduce algorithm on them
 network.py    the network as NCCL drives it: a ring on every card, or a tree, by size
 simulate.py   minidist's own code run on a simulated cluster, in simulated time
+shapes.py     a model's shape, its parameters and FLOPs, each by a named convention
 plan.py       one layout priced: time, memory, bytes per dimension
 profiles.py   the frameworks' execution: what data-parallel traffic hides behind compute
 search.py     every layout of a cluster, ranked
 calibrate.py  this machine measured, as a cluster
+custom.py     a cluster from a small JSON or TOML file
 cli.py        `minidist plan`
 """

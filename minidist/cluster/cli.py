@@ -40,12 +40,14 @@ import textwrap
 from collections import Counter
 from dataclasses import asdict, replace
 
-from minidist.cluster import calibrate, plan, profiles, shapes
+from minidist.cluster import calibrate, custom, plan, profiles, shapes
 from minidist.cluster import hardware as clusters
 from minidist.cluster import search as plan_search
 
-PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")
-ONLY = ("dp", "pp", "tp", "microbatch_size", "chunks")  # the --flags that pick layouts
+PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
+SOMETIMES = ("cp", "ep")  # parts shown only where a shown layout has them
+# the --flags that pick layouts
+ONLY = ("dp", "pp", "tp", "cp", "ep", "microbatch_size", "microbatches", "chunks")
 # Every whole-number flag's range. Past these no run is planned (the largest published clusters
 # hold about 10^5 GPUs, the largest models about 10^2 layers and 10^4-10^5 wide), and the search's
 # work grows with the GPU count's divisors and the layers: the bounds keep it to seconds.
@@ -63,9 +65,16 @@ LIMITS = {
     "pp": (1, 10_000),
     "tp": (1, 1 << 16),
     "microbatch_size": (1, 1 << 24),
+    "microbatches": (1, 1 << 24),
     "chunks": (1, 10_000),
+    "cp": (1, 1 << 16),
+    "ep": (1, 1 << 16),
+    "kv_heads": (1, 1 << 16),
+    "experts": (1, 1 << 16),
+    "top_k": (1, 1 << 16),
 }
 MOST_TOKENS = 1e16  # a run's budget: Llama 3 trained on 1.56e13
+MOST_CAPACITY = 64.0  # a capacity factor past the experts' count routes nothing more
 
 
 def add_parser(sub) -> None:
@@ -73,10 +82,16 @@ def add_parser(sub) -> None:
     models = ", ".join(plan.SHAPES)
     p.add_argument("--model", help=f"one of {models} (gpt3-175b; minidist with --cluster this)")
     # numbers arrive as text and are read by numbers(): a bad one is refused in one line
-    for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq-len"):
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq-len"):
         p.add_argument(f"--{flag}", help="override the model's shape")
+    for flag in ("experts", "top-k"):
+        p.add_argument(f"--{flag}", help="override the model's mixture of experts")
+    p.add_argument("--capacity", help="a mixture's capacity factor (the model's: 1)")
     p.add_argument(
-        "--cluster", default="dgx-a100", help=f"one of {', '.join(clusters.PRESETS)}, this"
+        "--cluster",
+        default="dgx-a100",
+        help=f"one of {', '.join(clusters.PRESETS)}, this, or a .json or .toml file "
+        "describing one (cluster/custom.py)",
     )
     p.add_argument(
         "--calibration", help="with --cluster this: `minidist bench p2p --json`'s output"
@@ -99,6 +114,7 @@ def add_parser(sub) -> None:
     )
     for flag in ONLY:
         p.add_argument(f"--{flag.replace('_', '-')}", help="only layouts with this")
+    p.add_argument("--fp8", action="store_true", help="the layers' matmuls in FP8 (H100, H200)")
     p.add_argument("--top", default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", help="draw the time breakdown of the best layouts here")
@@ -132,6 +148,13 @@ def numbers(args) -> list[str]:
         return [*found, f"--tokens={args.tokens} is not a number"]
     if not 0 < args.tokens <= MOST_TOKENS:
         found.append(f"--tokens={args.tokens} must be positive and at most {MOST_TOKENS:g}")
+    if args.capacity is not None:
+        try:
+            args.capacity = float(args.capacity)
+        except ValueError:
+            return [*found, f"--capacity={args.capacity} is not a number"]
+        if not 0 < args.capacity <= MOST_CAPACITY:
+            found.append(f"--capacity={args.capacity} must be positive, at most {MOST_CAPACITY}")
     return found
 
 
@@ -156,7 +179,13 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         found.append("--cluster this needs --calibration FILE (minidist bench p2p --json)")
     elif args.calibration and not os.path.isfile(args.calibration):
         found.append(f"--calibration {args.calibration}: no such file")
-    elif args.cluster not in clusters.PRESETS and args.cluster != "this":
+    elif _is_file(args.cluster) and not os.path.isfile(args.cluster):
+        found.append(f"--cluster {args.cluster}: no such file")
+    elif (
+        args.cluster not in clusters.PRESETS
+        and args.cluster != "this"
+        and not _is_file(args.cluster)
+    ):
         found.append(f"unknown cluster {args.cluster!r}; known: {', '.join(clusters.PRESETS)}")
     if args.ends and args.cluster == "this":
         found.append("--ends: minidist train's pipeline gives the embedding and head no stages")
@@ -173,6 +202,18 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
     if args.batch * shape.seq > args.tokens:  # the run would be less than one step
         need = f"--batch={args.batch} x {shape.seq} tokens"
         found.append(f"one step of {need} is more than --tokens={args.tokens:g}")
+    if shape.experts == 0 and (args.top_k or args.capacity):
+        model = plan.SHAPES[args.model].name
+        found.append(f"--top-k, --capacity: {model} has no experts (--experts N)")
+    elif shape.top_k > max(1, shape.experts):
+        found.append(f"--top-k={shape.top_k} is more than experts={shape.experts}")
+    if shape.heads % (shape.kv_heads or shape.heads):
+        found.append(f"heads={shape.heads} are not divisible by kv heads={shape.kv_heads}")
+    if _is_file(args.cluster):
+        try:
+            return shape, custom.load(args.cluster), found
+        except (ValueError, OSError) as e:
+            return shape, None, [*found, f"--cluster {args.cluster}: {e}"]
     if args.cluster != "this":
         return shape, clusters.preset(args.cluster), found
     found += calibrate.problems(shape)
@@ -182,18 +223,29 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
         return shape, None, [*found, f"--calibration {args.calibration}: {e}"]
 
 
+def _is_file(cluster: str) -> bool:
+    """Whether --cluster names a file (.json, .toml) rather than a preset."""
+    return cluster.endswith((".json", ".toml"))
+
+
 def pick_problems(args) -> list[str]:
-    """Why the picked --dp, --pp, --tp, --chunks can be no layout of --gpus at all, with the
-    numbers (the rest, heads, layers, batch, memory, plan.problems() says layout by layout)."""
+    """Why the picked --dp, --pp, --tp, --cp, --chunks can be no layout of --gpus at all, with
+    the numbers (the rest, heads, layers, batch, memory, plan.problems() says layout by layout)."""
     found, gpus = [], args.gpus
-    picks = {k: getattr(args, k) for k in ("dp", "pp", "tp") if getattr(args, k) is not None}
+    axes = ("dp", "pp", "tp", "cp")
+    picks = {k: getattr(args, k) for k in axes if getattr(args, k) is not None}
     for k, v in picks.items():
         if gpus % v:
             found.append(f"--{k}={v} does not divide --gpus={gpus}")
     product = math.prod(picks.values())
-    if not found and (gpus % product or (len(picks) == 3 and product != gpus)):
+    whole = all(k in picks for k in ("dp", "pp", "tp"))  # cp, unpicked, is then 1
+    if not found and (gpus % product or (whole and product != gpus)):
         what = " x ".join(f"--{k}={v}" for k, v in picks.items())
-        found.append(f"{what} = {product}, which leaves no whole dp x pp x tp = --gpus={gpus}")
+        fills = "cp" not in picks and gpus % product == 0
+        rest = f" (--cp {gpus // product} would fill it)" if fills else ""
+        found.append(
+            f"{what} = {product}, which leaves no whole dp x pp x tp = --gpus={gpus}{rest}"
+        )
     if (args.chunks or 1) > 1 and args.pp == 1:
         found.append(f"--chunks={args.chunks} interleaves pipeline stages: it needs --pp > 1")
     return found
@@ -202,6 +254,7 @@ def pick_problems(args) -> list[str]:
 def _picked(args) -> dict:
     """The dimensions held to one value, as search.layouts() takes them."""
     names = {"tp": args.tp, "pp": args.pp, "v": args.chunks, "b": args.microbatch_size}
+    names |= {"m": args.microbatches, "cp": args.cp, "ep": args.ep, "fp8": args.fp8 or None}
     return {k: v for k, v in names.items() if v is not None}
 
 
@@ -211,6 +264,8 @@ def derived_shape(args) -> plan.Shape:
     shape = plan.SHAPES[args.model]
     changes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads}
     changes |= {"ffn": args.ffn, "vocab": args.vocab, "seq": args.seq_len}
+    changes |= {"kv_heads": args.kv_heads, "experts": args.experts, "top_k": args.top_k}
+    changes |= {"capacity": args.capacity}
     if args.hidden and args.ffn is None:
         changes["ffn"] = shape.ffn * args.hidden // shape.hidden
     changes = {k: v for k, v in changes.items() if v is not None and v != getattr(shape, k)}
@@ -223,6 +278,7 @@ def derived_shape(args) -> plan.Shape:
 def _allowed(args, layout: plan.Layout) -> bool:
     x = layout
     value = {"dp": x.dp, "pp": x.pp, "tp": x.tp, "microbatch_size": x.b, "chunks": x.v}
+    value |= {"cp": x.cp, "ep": x.ep, "microbatches": x.microbatches(args.batch)}
     picked = all(getattr(args, f) in (None, value[f]) for f in ONLY)
     return (
         picked
@@ -365,9 +421,17 @@ def mfu(
 def _name(layout: dict) -> str:
     x = layout
     sp = (" sp" if x["sp"] else "") + (" ends" if x.get("ends") else "")
+    more = "".join(f" {k}{x[k]}" for k in ("cp", "ep") if x.get(k, 1) > 1)
+    more += " fp8" if x.get("fp8") else ""
     return (
-        f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}{sp}"
+        f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}"
+        f"{sp}{more}"
     )
+
+
+def _shown(rows) -> list[str]:
+    """The parts to show: PARTS, less cp and ep where no row has them."""
+    return [p for p in PARTS if p not in SOMETIMES or any(r["parts"][p] for r in rows)]
 
 
 def count(n: float) -> str:
@@ -389,10 +453,11 @@ def _print(shape, cluster, args, rows, refused) -> None:
     profile = profiles.PROFILES[_framework(args)]
     print(f"framework {profile.name}: {profile.source}")
     unit, scale = ("s", 1) if rows[0]["seconds"] >= 1 else ("ms", 1e3)  # a toy's step: ms
-    head = f"{'layout':38} {'step ' + unit:>7} " + " ".join(f"{p:>6}" for p in PARTS)
+    shown = _shown(rows)
+    head = f"{'layout':38} {'step ' + unit:>7} " + " ".join(f"{p:>6}" for p in shown)
     print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")
     for r in rows:
-        parts = " ".join(f"{r['parts'][p] * scale:6.2f}" for p in PARTS)
+        parts = " ".join(f"{r['parts'][p] * scale:6.2f}" for p in shown)
         gb, step = sum(r["memory_gb"].values()), r["seconds"] * scale
         money = f"{r['days']:6.1f} {r['mwh']:7.1f} {r['usd'] / 1e6:6.2f}"
         print(f"{_name(r['layout']):38} {step:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}")
@@ -442,7 +507,7 @@ def _draw(rows, path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
     names = [_name(r["layout"]) for r in rows][::-1]
     left = [0.0] * len(rows)
-    for p in PARTS:
+    for p in _shown(rows):
         widths = [r["parts"][p] for r in rows][::-1]
         ax.barh(names, widths, left=left, label=p)
         left = [a + b for a, b in zip(left, widths, strict=True)]

@@ -36,7 +36,9 @@ GB = 1e9  # spec sheets count decimal gigabytes
 @dataclass(frozen=True)
 class GPU:
     """One accelerator: dense bf16 peak (FLOP/s), memory (bytes), memory bandwidth (B/s),
-    board power (W), streaming multiprocessors (0: matmuls of any shape run at one rate)."""
+    board power (W), streaming multiprocessors (0: matmuls of any shape run at one rate), dense
+    FP8 peak (FLOP/s; 0: no FP8 tensor cores), calibration: whose fitted efficiencies the
+    planner gives it ("A100", "H100"; "": by its name, cluster/plan.py's calibrated())."""
 
     name: str
     peak_flops: float
@@ -44,6 +46,8 @@ class GPU:
     memory_bw: float
     watts: float
     sms: int = 0
+    fp8_flops: float = 0.0
+    calibration: str = ""
 
 
 @dataclass(frozen=True)
@@ -217,11 +221,13 @@ def calibrated(rows: list[dict], name: str = "this machine") -> Link:
 #         per GPU, both directions together. 108 SMs: NVIDIA A100 Tensor Core GPU Architecture
 #         whitepaper (2020).
 # [H100]  NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: bf16 989 TFLOP/s dense (1,979
-#         with sparsity); 80 GB HBM3, 3.35 TB/s; up to 700 W; NVLink 900 GB/s both directions.
-#         132 SMs (SXM5): NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022).
+#         with sparsity), FP8 1,979 dense (3,958 with sparsity); 80 GB HBM3, 3.35 TB/s; up to
+#         700 W; NVLink 900 GB/s both directions. 132 SMs (SXM5): NVIDIA H100 Tensor Core GPU
+#         Architecture whitepaper (2022). The A100 has no FP8 (its datasheet lists none).
 # [H200]  NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 141 GB HBM3e, 4.8 TB/s; bf16 989
-#         TFLOP/s dense; up to 700 W; NVLink 900 GB/s. Its SMs are taken as the H100 SXM5's
-#         (the same peak: an assumption, the datasheet does not count them).
+#         TFLOP/s dense, FP8 1,979 dense (3,958 with sparsity); up to 700 W; NVLink 900 GB/s.
+#         Its SMs are taken as the H100 SXM5's (the same peak: an assumption, the datasheet does
+#         not count them).
 # [DGXA]  NVIDIA DGX A100 datasheet (2020): 8 A100 on 6 NVSwitches; 8 single-port ConnectX-6
 #         200 Gb/s HDR InfiniBand for compute; 6.5 kW max. Rail-optimized: NVIDIA DGX
 #         SuperPOD reference architecture with DGX A100 (RA-09950-001, 2020), one HDR card a GPU
@@ -242,8 +248,8 @@ def calibrated(rows: list[dict], name: str = "this machine") -> Link:
 
 A100_SXM = GPU("A100-SXM4-80GB", 312e12, 80 * GB, 2039 * GB, 400, 108)  # [A100]
 A100_PCIE = GPU("A100-PCIe-80GB", 312e12, 80 * GB, 1935 * GB, 300, 108)  # [A100]
-H100_SXM = GPU("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB, 700, 132)  # [H100]
-H200_SXM = GPU("H200-SXM-141GB", 989e12, 141 * GB, 4800 * GB, 700, 132)  # [H200]
+H100_SXM = GPU("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB, 700, 132, 1979e12)  # [H100]
+H200_SXM = GPU("H200-SXM-141GB", 989e12, 141 * GB, 4800 * GB, 700, 132, 1979e12)  # [H200]
 
 NVLINK3 = Link("NVLink 3 + NVSwitch", 0.47e-6, 300 * GB)  # [A100] 600/2 per direction, [NCCL]
 NVLINK4 = Link("NVLink 4 + NVSwitch", 0.47e-6, 450 * GB)  # [H100] 900/2 per direction, [NCCL]

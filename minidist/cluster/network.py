@@ -38,6 +38,7 @@ Run: see tests/test_network.py.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -85,11 +86,42 @@ def spread(stride: int, size: int, g: int) -> Group:
     return Group(k, -(-size // k))
 
 
+def spread_axes(axes: list[tuple[int, int]], g: int) -> Group:
+    """A group made of several axes of the rank order, (stride, size) each, innermost first (dp
+    x cp: the cp ranks tp apart, the dp replicas pp cp tp apart): k = the product of each
+    axis's ranks on one node, min(size, g / stride) as spread() counts them."""
+    p = 1
+    k = 1
+    for stride, size in axes:
+        p *= size
+        k *= max(1, min(size, g // stride))
+    return Group(k, -(-p // k))
+
+
+def all_to_all_seconds(cluster: Cluster, group: Group, nbytes: float, efficiency: float = 1.0):
+    """Seconds of an all-to-all in which every rank of the group sends nbytes, an equal part to
+    each rank (its own part stays): (k-1)/p of it to its node's other ranks on its NVLink and
+    (p-k)/p across on its own card (rail-optimized: every GPU of the node sends at once), the
+    two at the same time, plus a network latency if the group spans nodes (NCCL runs it as a
+    send and a receive to every peer, grouped)."""
+    k = group.k
+    p = group.p
+    if p == 1:
+        return 0.0
+    inside = (k - 1) / p * nbytes / cluster.intra.bandwidth
+    if group.n == 1:
+        return cluster.intra.latency + inside
+    card = cluster.inter.bandwidth * efficiency / cluster.oversubscription
+    return cluster.inter.latency + max(inside, (p - k) / p * nbytes / card)
+
+
 def _hw(cluster: Cluster) -> str:
     return "nvlink" if "NVLink" in cluster.intra.name else "pci"
 
 
 def _generation(cluster: Cluster) -> str:
+    if cluster.gpu.calibration:
+        return cluster.gpu.calibration
     return "H100" if any(name in cluster.gpu.name for name in ("H100", "H200")) else "A100"
 
 
@@ -159,6 +191,7 @@ def hierarchical(cluster: Cluster, group: Group, nbytes: float, efficiency: floa
     return 2 * half + across
 
 
+@functools.lru_cache(maxsize=8192)
 def collective_seconds(
     cluster: Cluster, kind: str, group: Group, nbytes: float, efficiency: float = 1.0
 ) -> tuple[float, str]:

@@ -40,7 +40,14 @@ Time per step (the slowest stage):
                   nodes on the sending GPU's own card if they span nodes), all-gathered over
                   tp on arrival (Narayanan et al., section 4.1); s b h, not gathered, as
                   minidist's pipeline sends them
-    data par.     over dp, of 2 Psi_g bytes: an all-reduce; ZeRO-1 a reduce-scatter and an
+    context par.  cp ranks hold s/cp tokens each; a ring passes keys and values (cp - 1 steps
+                  of 2 (s/cp) b h_kv/t values, forward, twice backward) behind each attention
+                  block (cp_seconds: what the attention's FLOPs cannot cover)
+    expert par.   a mixture's experts shared out over ep ranks (carved out of dp); 4 all-to-alls
+                  a layer (6 with full recompute) of a rank's tokens x top_k x capacity hidden
+                  vectors (ep_seconds)
+    FP8           the layers' linear matmuls at the GPU's FP8 peak (linear_share), the rest bf16
+    data par.     over dp (x cp), of 2 Psi_g bytes: an all-reduce; ZeRO-1 a reduce-scatter and an
                   all-gather; ZeRO-2 a reduce-scatter per microbatch; ZeRO-3 also two
                   all-gathers per microbatch, at ZeRO-3's own efficiency (Efficiency.sharded);
                   less what the framework hides behind compute (cluster/profiles.py)
@@ -57,6 +64,7 @@ Run: minidist plan --model gpt3-175b --cluster dgx-a100 --gpus 1024 --batch 1536
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, replace
 
@@ -68,11 +76,14 @@ from minidist.cluster.shapes import SHAPES, Shape  # noqa: F401 (SHAPES: plan.SH
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run is cut: dp x pp x tp GPUs, v chunks per stage (interleaved), ZeRO stage,
+    """How a run is cut: dp x pp x tp x cp GPUs, v chunks per stage (interleaved), ZeRO stage,
     microbatch size b, recompute (none | selective | full), sequence parallelism, scatter (a
     tp rank sends 1/tp of an activation on, the next stage all-gathers; minidist sends all),
     ends (the embedding and the head take a layer's slot each: the first chunk holds only the
-    embedding, the last only the head, as Llama 3 takes a layer off the first and last stage)."""
+    embedding, the last only the head, as Llama 3 takes a layer off the first and last stage),
+    cp (context parallelism: a ring of cp ranks holds a sequence's chunks), ep (expert
+    parallelism, carved out of dp: ep ranks share out a mixture's experts), fp8 (the layers'
+    linear matmuls in FP8, where the GPU has it)."""
 
     dp: int
     pp: int
@@ -84,6 +95,9 @@ class Layout:
     sp: bool = False
     scatter: bool = True  # a stage sends 1/tp of an activation (Narayanan et al., section 4.1)
     ends: bool = False  # the embedding and the head take a layer's slot each (Dubey et al., 3.3.2)
+    cp: int = 1
+    ep: int = 1
+    fp8: bool = False
 
     def microbatches(self, batch: int) -> int:
         return batch // (self.dp * self.b)
@@ -105,8 +119,9 @@ class Efficiency:
 def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
     """Why this layout cannot run this shape at all (divisibility), with the numbers."""
     found, x = [], layout
-    if x.dp * x.pp * x.tp != gpus:
-        found.append(f"dp={x.dp} x pp={x.pp} x tp={x.tp} != {gpus} GPUs")
+    if x.dp * x.pp * x.tp * x.cp != gpus:
+        cp = f" x cp={x.cp}" if x.cp > 1 else ""
+        found.append(f"dp={x.dp} x pp={x.pp} x tp={x.tp}{cp} != {gpus} GPUs")
     if shape.layers + 2 * x.ends < x.pp * x.v:
         ends = " + 2 ends" if x.ends else ""
         found.append(f"layers={shape.layers}{ends} are fewer than pp={x.pp} x v={x.v} stages")
@@ -122,6 +137,12 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
         found.append(f"interleaving needs microbatches={m} divisible by pp={x.pp}")
     if x.sp and x.tp == 1:
         found.append("sequence parallelism needs tp > 1")
+    if shape.seq % (2 * x.cp) and x.cp > 1:  # two chunks a rank, one early one late (balanced)
+        found.append(f"seq={shape.seq} is not divisible by 2 x cp={x.cp} chunks")
+    if x.ep > 1 and not shape.experts:
+        found.append(f"ep={x.ep} needs a mixture of experts; {shape.name} has none")
+    elif x.ep > 1 and (shape.experts % x.ep or x.dp % x.ep):
+        found.append(f"ep={x.ep} must divide experts={shape.experts} and dp={x.dp}")
     return found
 
 
@@ -144,14 +165,12 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     float32 parameters and gradients, Adam's two moments, with ZeRO also a float32 master as
     minidist's zero/stages.py keeps one). Without dropout (shape.dropout) the per-layer constant is
     8, not 10 (no two s b h masks), and the attention term 2 a s/h, not 5 (the softmax output is
-    the one s x s tensor kept)."""
+    the one s x s tensor kept). ZeRO shards the dense parameters over dp x cp (every cp rank
+    holds them whole) and a mixture's experts over dp x cp / ep (ep ranks share them out)."""
     x, h = layout, shape.hidden
     layers = stage_layers(shape, x)
-    mixed = {0: 20, 1: 4 + 12 / x.dp, 2: 2 + 14 / x.dp, 3: 16 / x.dp}
-    fp32 = {0: 16, 1: 8 + 12 / x.dp, 2: 4 + 16 / x.dp, 3: 20 / x.dp}
-    per_param = (mixed if e == 2 else fp32)[x.zero]
-    if x.recompute == "full":
-        per_layer = shape.seq * x.b * h * e / (x.tp if x.sp else 1)  # 2 s b h 2-byte values
+    if x.recompute == "full":  # each layer's input, 2 s b h bytes (/t with sp), s/cp a rank
+        per_layer = shape.seq / x.cp * x.b * h * e / (x.tp if x.sp else 1)
     else:
         per_layer = layer_activation_bytes(shape, x, flash, e)
     m = x.microbatches(batch)
@@ -163,31 +182,61 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     stages = [(layers, shape.embedding_matrices() if x.pp == 1 else 1, 0)]
     if x.ends and x.pp > 2:
         stages = [(layers - 1, 1, 0), (layers, 0, 1)]
+    dense_layer, expert_layer = layer_params_held(shape, x)
+    dense_bytes = per_param_bytes(x.zero, x.dp * x.cp, e)
+    expert_bytes = per_param_bytes(x.zero, x.dp * x.cp // x.ep, e)
     memories = []
     for n, ends, r in stages:
-        psi = (n * shape.layer_params() + ends * shape.vocab * h) / x.tp
+        dense = n * dense_layer + ends * shape.vocab * h / x.tp
         chunks = 2 * (x.pp - r - 1) + (x.v - 1) * x.pp + 1
         in_flight = min(x.pp - r, m) if x.v == 1 else chunks / x.v
         activations = per_layer * n * in_flight
-        memories.append({"model state": psi * per_param, "activations": activations})
+        state = dense * dense_bytes + n * expert_layer * expert_bytes
+        memories.append({"model state": state, "activations": activations})
     memory = max(memories, key=lambda d: sum(d.values()))
     if x.zero == 3:
-        memory["gathered"] = e * max(shape.layer_params(), shape.vocab * h) / x.tp
+        memory["gathered"] = e * max(dense_layer + expert_layer, shape.vocab * h / x.tp)
     return memory
+
+
+def per_param_bytes(zero: int, shards: int, e: int = 2) -> float:
+    """Bytes of model state a parameter costs a rank, its optimizer state sharded over `shards`
+    ranks by ZeRO (the docstring's table; e = 4: float32)."""
+    mixed = {0: 20, 1: 4 + 12 / shards, 2: 2 + 14 / shards, 3: 16 / shards}
+    fp32 = {0: 16, 1: 8 + 12 / shards, 2: 4 + 16 / shards, 3: 20 / shards}
+    return (mixed if e == 2 else fp32)[zero]
+
+
+def layer_params_held(shape: Shape, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer a rank holds: the attention (and a dense MLP, and
+    the router) cut over tp; a mixture's experts / ep of them, each cut over tp."""
+    x = layout
+    if not shape.experts:
+        return shape.layer_params() / x.tp, 0.0
+    dense = shape.attention_params() / x.tp + shape.hidden * shape.experts
+    return dense, shape.experts // x.ep * shape.mlp_params() / x.tp
 
 
 def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
     """Bytes one layer keeps for backward per microbatch without full recompute (Korthikanti et
-    al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout)."""
+    al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout). Their 24
+    s b h / t counted term by term, for any shape: q (2), k and v (4 h_kv/h), the attention's
+    output (2), the MLP's two inner activations (4 f/h; gated, three: 6 f/h); a mixture keeps its
+    experts' for every token top_k x capacity times; cp ranks hold s/cp tokens each, and ring
+    attention keeps no s x s scores."""
     x = layout
     h = shape.hidden
     s = shape.seq
     a = shape.heads
-    t, sbh = x.tp, s * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
+    t, sbh = x.tp, s / x.cp * x.b * h * e / 2  # Korthikanti et al. count 2-byte values
     drop = 2 if shape.dropout else 0
     scores = 5 if shape.dropout else 2
-    attention = 0 if x.recompute == "selective" or flash else scores * a * s / (h * t)
-    return sbh * (((32 + drop) / t if x.sp else 8 + drop + 24 / t) + attention)
+    ring = x.cp > 1
+    attention = 0 if x.recompute == "selective" or flash or ring else scores * a * s / (h * t)
+    routed = shape.top_k * shape.capacity if shape.experts else 1
+    mlp = (6 if shape.glu else 4) * shape.ffn / h * routed
+    split = 2 + 4 * shape.kv_width() / h + 2 + mlp  # cut over tp: 24 for GPT-3's shape
+    return sbh * (((8 + drop + split) / t if x.sp else 8 + drop + split / t) + attention)
 
 
 def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
@@ -207,17 +256,43 @@ def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
 
 
 def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
+    """matmul_share_of: the same, for the numbers of the layout it depends on (cached)."""
+    return matmul_share_of(shape, layout.tp, layout.b, layout.cp, gpu)
+
+
+@functools.lru_cache(maxsize=4096)
+def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu) -> float:
     """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
-    quantization (cluster.wave_share): b s rows by q k v (h -> (h + 2 h_kv)/t), out (h/t -> h),
-    up (h -> f/t, twice if gated), down (f/t -> h). step() applies it to all of a stage's
-    FLOPs (the logits and attention scores are large products too: a simplification)."""
+    quantization (cluster.wave_share): b s / cp rows by q k v (h -> (h + 2 h_kv)/t), out
+    (h/t -> h), and for the MLP's up (h -> f/t, twice if gated) and down (f/t -> h) as many rows,
+    or a mixture's experts' top_k x capacity / experts of them each. step() applies it to all of
+    a stage's FLOPs (the logits and attention scores are large products too: a simplification)."""
     h = shape.hidden
-    t = layout.tp
     f = shape.ffn
-    kv = h * (shape.kv_heads or shape.heads) // shape.heads
+    kv = shape.kv_width()
     up = f * (2 if shape.glu else 1)
-    products = [(h, (h + 2 * kv) // t), (h // t, h), (h, up // t), (f // t, h)]
-    return wave_share(gpu, shape.seq * layout.b, products)
+    rows = shape.seq * b // cp
+    attention = [(h, (h + 2 * kv) // t), (h // t, h)]
+    mlp = [(h, up // t), (f // t, h)]
+    expert_rows = rows
+    if shape.experts:  # each expert's share of the routed tokens
+        expert_rows = max(1, round(rows * shape.top_k * shape.capacity / shape.experts))
+    work = [sum(k * n for k, n in attention), sum(k * n for k, n in mlp)]
+    if shape.experts:
+        work[1] *= shape.top_k * shape.capacity  # every token's top_k experts
+    shares = [wave_share(gpu, rows, attention), wave_share(gpu, expert_rows, mlp)]
+    return sum(work) / sum(w / share for w, share in zip(work, shares, strict=True))
+
+
+def linear_share(shape: Shape, recompute: str) -> float:
+    """The share of a layer's executed FLOPs in its linear layers (2 x the active parameters a
+    forward): what FP8 runs (Transformer Engine's FP8 is its Linear layers'; attention's scores
+    and values and the logits stay in bf16: NVIDIA Transformer Engine documentation, "Using FP8
+    with Transformer Engine")."""
+    per_layer = shape.step_flops_per_token(recompute) - 3 * 2 * shape.vocab * shape.hidden
+    linear = 2 * shape.active_layer_params(capacity=True) * shape.layers
+    again = {"none": 0, "selective": 0, "full": linear}[recompute]
+    return (3 * linear + again) / per_layer
 
 
 def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
@@ -231,7 +306,8 @@ def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int 
     kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
     passes = 7 if layout.recompute == "full" else 5
     again = recompute_core_nbytes(shape, layout, e) if layout.recompute == "selective" else 0
-    return (passes * kept + (0 if flash else again)) * stage_layers(shape, layout)
+    keeps_scores = not flash and layout.cp == 1  # ring attention keeps none, as flash
+    return (passes * kept + (again if keeps_scores else 0)) * stage_layers(shape, layout)
 
 
 def recompute_core_nbytes(shape: Shape, layout: Layout, e: int = 2) -> float:
@@ -241,7 +317,7 @@ def recompute_core_nbytes(shape: Shape, layout: Layout, e: int = 2) -> float:
     writes its mask, 1 byte, and its output): 11 bytes a score in 2-byte values, 6 without
     dropout (the scores written, read and the softmax written)."""
     x = layout
-    scores = shape.heads * shape.seq**2 * x.b / x.tp
+    scores = shape.heads * shape.seq**2 / x.cp * x.b / x.tp
     per_score = (3 * e + (e + 1 + e if shape.dropout else 0)) if e else 0
     return scores * per_score
 
@@ -250,7 +326,7 @@ def forward_share(shape: Shape, recompute: str) -> float:
     """The forward's share of a microbatch's training FLOPs on a stage: 1/3 without recompute,
     about 1/4 with full (the backward runs the forward again), a little less than 1/3 with
     selective (the attention core's forward again, in the backward)."""
-    return shape.forward_flops_per_token() / shape.step_flops_per_token(recompute)
+    return shape.forward_flops_per_token(capacity=True) / shape.step_flops_per_token(recompute)
 
 
 def step(
@@ -264,52 +340,97 @@ def step(
     psi: float = 0,
     profile: Profile | None = None,
 ) -> dict:
-    """Seconds per step of the slowest stage, by part: compute, bubble, tp, pp, dp, optimizer.
-    e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32). compute
-    is a roofline's two sides: the FLOPs at peak x efficiency x matmul_share, the rest of the work
-    (elementwise_nbytes) at the memory's bandwidth. psi: a rank's parameters, which dp syncs
-    (default Shape.params() / (pp tp): no biases, norms or positions, < 0.1% of a large model).
-    profile: the framework (cluster/profiles.py), which decides what dp traffic hides behind
-    compute; default profiles.DEFAULT."""
+    """Seconds per step of the slowest stage, by part: compute, bubble, tp, cp, ep, pp, dp,
+    optimizer. e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32).
+    compute is a roofline's two sides: the FLOPs at peak (the layers' linear matmuls at the FP8
+    peak with fp8) x efficiency x matmul_share, the rest of the work (elementwise_nbytes) at the
+    memory's bandwidth. psi: a rank's parameters, which dp syncs (default Shape.params() /
+    (pp tp), experts / ep: no biases, norms or positions, < 0.1% of a large model). profile:
+    the framework (cluster/profiles.py), which decides what dp traffic hides behind compute;
+    default profiles.DEFAULT."""
     x = layout
     h = shape.hidden
-    s = shape.seq
     m = x.microbatches(batch)
+    tokens = shape.seq * x.b / x.cp  # a microbatch's tokens on one cp rank
     profile = profile or profiles.PROFILES[profiles.DEFAULT]
     layers = stage_layers(shape, x)
-    rate = cluster.gpu.peak_flops * eff.compute * matmul_share(shape, x, cluster.gpu)
+    share = eff.compute * matmul_share(shape, x, cluster.gpu)
+    bf16 = cluster.gpu.peak_flops * share
+    linear = linear_share(shape, x.recompute) if x.fp8 else 0.0
+    per_flop = linear / (cluster.gpu.fp8_flops * share or bf16) + (1 - linear) / bf16
     elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
     slowest, fullest = (
-        f * s * x.b / x.tp / rate + elementwise for f in stage_flops_per_token(shape, x)
+        f * tokens / x.tp * per_flop + elementwise for f in stage_flops_per_token(shape, x)
     )
     g = cluster.gpus_per_node
-    act = e * s * x.b * h  # bytes of one activation tensor
-    # minidist's rank order (mesh.py: arange(world).view(dp, pp, tp)): tp innermost, then pp,
-    # then dp; each dimension's collectives run on the group this order gives it, on its links
+    act = e * tokens * h  # bytes of one activation tensor on a rank
+    # minidist's rank order (mesh.py: arange(world).view(dp, pp, cp, tp), ep carved out of
+    # dp): tp innermost, then cp, pp, dp; each dimension's collectives run on the group this
+    # order gives it, on its links
     tp_group = network.spread(1, x.tp, g)
-    dp_group = network.spread(x.tp * x.pp, x.dp, g)
     tp_ar, _ = network.collective_seconds(cluster, "all_reduce", tp_group, act, eff.network)
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
-    across = x.pp * x.tp > g  # a pipeline (stage neighbours tp apart) that spans nodes
+    t_cp = layers * cp_seconds(shape, x, cluster, eff, e, bf16)
+    t_ep = layers * ep_seconds(shape, x, cluster, eff, e)
+    across = x.pp * x.cp * x.tp > g  # a pipeline (stage neighbours cp tp apart) across nodes
     t_pp = network.p2p_seconds(cluster, across, act / (x.tp if x.scatter else 1), eff.network)
     if x.scatter:  # the receiving stage all-gathers the tp ranks' slices
         t_pp += network.collective_seconds(cluster, "all_gather", tp_group, act, eff.network)[0]
     t_pp = 2 * m * x.v * t_pp if x.pp > 1 else 0.0
-    psi_g = psi or shape.params() / (x.pp * x.tp)
+    # the rank's parameters: a mixture's experts but its ep share (their gradients average over
+    # dp / ep of the ranks: priced over the dp group, a simplification)
+    others = shape.layers * (shape.experts - shape.experts // x.ep) * shape.mlp_params()
+    psi_g = psi or (shape.params() - others) / (x.pp * x.tp)
+    # gradients are averaged over dp x cp (every cp rank saw other tokens of the same sequences)
+    dp_group = network.spread_axes([(x.tp, x.cp), (x.tp * x.cp * x.pp, x.dp)], g)
     each = dp_collectives(cluster, x, dp_group, e * psi_g, eff)
     forward = forward_share(shape, x.recompute) * slowest  # one microbatch's, on this stage
     dp = profiles.exposed_dp_seconds(profile, x.zero, each, m, forward, slowest - forward, layers)
-    shard = 1 / x.dp if x.zero else 1.0  # ZeRO: the optimizer steps on the rank's shard
+    shard = 1 / (x.dp * x.cp) if x.zero else 1.0  # ZeRO: the optimizer steps on the rank's shard
     optimizer = psi_g * shard * profiles.OPTIMIZER_BYTES / cluster.gpu.memory_bw
     return {
         "compute": m * slowest,
-        "bubble": (x.pp - 1) / x.v * (fullest + t_tp),
+        "bubble": (x.pp - 1) / x.v * (fullest + t_tp + t_cp + t_ep),
         "tp": m * t_tp,
+        "cp": m * t_cp,
+        "ep": m * t_ep,
         "pp": t_pp,
         "dp": dp,
         "optimizer": optimizer,
     }
+
+
+def cp_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int, rate: float) -> float:
+    """Seconds one layer's context-parallel ring leaves exposed per microbatch: cp - 1 steps,
+    each passing a chunk's keys and values (2 (s/cp) b h_kv/t values) to the next rank, in the
+    forward, and twice in the backward (keys and values again, and their gradients back), each
+    step's transfer overlapping the attention block of the step before (Liu et al., "Ring
+    Attention with Blockwise Transformers", 2023, section 3; Megatron-LM's context parallelism
+    likewise): what the attention's own FLOPs (4 s h a token forward, 3x in training: on s/cp
+    tokens, 1/t of it) cannot cover. 0 if cp = 1."""
+    if x.cp == 1:
+        return 0.0
+    tokens = shape.seq * x.b / x.cp
+    chunk = e * 2 * tokens * shape.kv_width() / x.tp
+    across = x.cp * x.tp > cluster.gpus_per_node  # the ring's neighbours are tp ranks apart
+    ring = 3 * (x.cp - 1) * network.p2p_seconds(cluster, across, chunk, eff.network)
+    attention = 3 * 4 * shape.seq * shape.hidden * tokens / x.tp / rate
+    return max(0.0, ring - attention)
+
+
+def ep_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int) -> float:
+    """Seconds of one layer's expert-parallel all-to-alls per microbatch: the tokens go to their
+    top_k experts and come back (dispatch and combine), forward and backward (4; 6 with full
+    recompute), each of a rank's s b / (cp t) tokens x top_k x capacity hidden vectors over the
+    ep group (cluster/network.py: all_to_all_seconds), on the critical path (Lepikhin et al.,
+    GShard, 2020, section 3.2; Megatron-LM's MoE layer likewise). 0 if ep = 1."""
+    if x.ep == 1:
+        return 0.0
+    tokens = shape.seq * x.b / (x.cp * x.tp) * shape.top_k * shape.capacity
+    group = network.spread(x.tp * x.cp * x.pp, x.ep, cluster.gpus_per_node)
+    each = network.all_to_all_seconds(cluster, group, e * tokens * shape.hidden, eff.network)
+    return (6 if x.recompute == "full" else 4) * each
 
 
 def dp_collectives(cluster: Cluster, x: Layout, group, nbytes: float, eff) -> dict:
@@ -321,7 +442,7 @@ def dp_collectives(cluster: Cluster, x: Layout, group, nbytes: float, eff) -> di
     reduce-scatter every microbatch and one all-gather; ZeRO-3 two all-gathers (forward,
     backward) and a reduce-scatter every microbatch. 0 each if dp = 1."""
     kinds = ("all_reduce", "reduce_scatter", "all_gather")
-    if x.dp == 1:
+    if x.dp * x.cp == 1:
         return dict.fromkeys(kinds, 0.0)
     reach = eff.sharded if x.zero == 3 else eff.network
     return {k: network.collective_seconds(cluster, k, group, nbytes, reach)[0] for k in kinds}
@@ -372,18 +493,21 @@ def evaluate(
     shape, layout, cluster, gpus, batch, eff, flash=True, headroom=0.9, e=2, profile=None
 ) -> Plan:
     """The verdict on one layout; memory must fit in headroom x the GPU's memory (the rest:
-    the framework, fragmentation, buffers: an assumption). e: bytes of a value, profile: the
-    framework (step)."""
+    the framework, fragmentation, buffers: an assumption), and only a layout that fits is
+    priced. e: bytes of a value, profile: the framework (step)."""
     why = problems(shape, layout, gpus, batch)
+    if layout.fp8 and not cluster.gpu.fp8_flops:
+        why.append(f"fp8: the {cluster.gpu.name} has no FP8 tensor cores")
     if why:
         return Plan(layout, {}, {}, tuple(why))
     memory = memory_bytes(shape, layout, batch, flash, e)
     total, room = sum(memory.values()), headroom * cluster.gpu.memory
-    if total > room:
+    if total > room:  # not priced: it cannot run
         gb = cluster.gpu.memory / 1e9
-        why = [f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"]
+        why = f"needs {total / 1e9:.1f} GB a GPU; {headroom:.0%} of {gb:g} GB is {room / 1e9:.1f}"
+        return Plan(layout, memory, {}, (why,))
     parts = step(shape, layout, cluster, batch, eff, e, flash, profile=profile)
-    return Plan(layout, memory, parts, tuple(why))
+    return Plan(layout, memory, parts, ())
 
 
 # Fitted on three published runs (tests/published_runs.py), checked on every other one: compute
@@ -405,9 +529,18 @@ CALIBRATED = {
 
 
 def calibrated(cluster: Cluster) -> Efficiency:
-    """The calibrated efficiencies of the cluster's GPU: Hopper's (H100, H200) or the A100's."""
+    """The calibrated efficiencies of the cluster's GPU: as its calibration says, or by its
+    name: Hopper's (H100, H200), else the A100's."""
+    return CALIBRATED[generation(cluster)]
+
+
+def generation(cluster: Cluster) -> str:
+    """ "H100" or "A100": whose calibration the cluster's GPU takes (GPU.calibration, or its
+    name: H100 and H200 are Hopper's)."""
+    if cluster.gpu.calibration:
+        return cluster.gpu.calibration
     hopper = any(name in cluster.gpu.name for name in ("H100", "H200"))
-    return CALIBRATED["H100" if hopper else "A100"]
+    return "H100" if hopper else "A100"
 
 
 # The planner's own errors, predicted / reported - 1, on the published runs it was not calibrated
@@ -446,7 +579,7 @@ VALIDATION_ERRORS = {
     "r34": -0.211,
     "r36": -0.105,
     "r37": -0.271,
-    "r39": 0.006,
+    "r39": 0.005,
     "r41": 0.067,
     "r42": 0.096,
     "r43": 1.881,

@@ -22,30 +22,59 @@ from minidist.cluster.hardware import Cluster
 from minidist.cluster.plan import Layout, Shape, calibrated, evaluate
 
 GRID_TP = (1, 2, 4, 8, 16)  # up to two nodes of 8
-GRID_V = (1, 2, 4)
 GRID_B = (1, 2, 4, 8)
+MOST_V = 4  # interleaving: every factor of a stage's layers up to this
+LONG = 16_384  # from this sequence length on, context parallelism is tried
+GRID_CP = (2, 4, 8, 16, 32)
 
 
 def layouts(
     shape: Shape, cluster: Cluster, gpus: int, batch: int, scatter=True, ends=False, picked=None
 ):
-    """Every layout worth a look: tp up to two nodes, pp up to the layers (uneven stages
-    allowed), b up to 8, v up to 4 (pp > 1), every ZeRO stage, recompute, sp; ends (the
-    embedding and the head as pipeline slots of their own) where pp > 1 if asked;
-    plan.problems() filters. picked: {"tp": 3, "pp": ..., "v": ..., "b": ...}, a dimension held
-    to one value, whatever the grid (so that plan.problems() says why a tp of 3 or a microbatch
-    of 3 cannot run, instead of it never being tried); pp still divides gpus / tp."""
+    """Every layout worth a look: tp up to two nodes, cp (sequences of LONG tokens and more)
+    up to 32, pp up to the layers (uneven stages allowed), ep dividing the experts and dp (a
+    mixture of experts), v every factor of a stage's layers up to MOST_V (pp > 1), b up to 8,
+    every ZeRO stage, recompute, sp; ends (the embedding and the head as pipeline slots of their
+    own) where pp > 1 if asked; plan.problems() filters. picked: {"tp": 3, "pp": ..., "v": ...,
+    "b": ..., "m": microbatches, "cp": ..., "ep": ..., "fp8": True}, a dimension held to one
+    value, whatever the grid (so that plan.problems() says why a tp of 3 or a microbatch of 3
+    cannot run, instead of it never being tried); pp still divides gpus / (tp cp)."""
     picked = picked or {}
-    tps = (
-        [picked["tp"]] if "tp" in picked else [t for t in GRID_TP if t <= 2 * cluster.gpus_per_node]
-    )
+    g = cluster.gpus_per_node
+    tps = [picked["tp"]] if "tp" in picked else [t for t in GRID_TP if t <= 2 * g]
+    fp8 = picked.get("fp8", False)
     for tp in (t for t in tps if gpus % t == 0):
-        pps = divisors(gpus // tp, shape.layers) if "pp" not in picked else [picked["pp"]]
-        for pp in (p for p in pps if (gpus // tp) % p == 0):
-            for v, zero, b, recompute, sp in _options(tp, picked):
-                if v == 1 or pp > 1:  # chunks of one stage interleave with nothing
-                    dp, end = gpus // (tp * pp), ends and pp > 1
-                    yield Layout(dp, pp, tp, v, zero, b, recompute, sp, scatter, end)
+        for cp in (c for c in _cps(shape, picked) if (gpus // tp) % c == 0):
+            rest = gpus // (tp * cp)
+            pps = divisors(rest, shape.layers) if "pp" not in picked else [picked["pp"]]
+            for pp in (p for p in pps if rest % p == 0):
+                dp = rest // pp
+                end = ends and pp > 1
+                for ep in _eps(shape, dp, picked):
+                    for v, zero, b, recompute, sp in _options(shape, tp, pp, dp, batch, picked):
+                        yield Layout(
+                            dp, pp, tp, v, zero, b, recompute, sp, scatter, end, cp, ep, fp8
+                        )
+
+
+def _cps(shape: Shape, picked: dict) -> list[int]:
+    """The context-parallel sizes to try: the picked one, or 1 and, for a long sequence,
+    GRID_CP's that leave every rank two chunks of at least 1024 tokens."""
+    if "cp" in picked:
+        return [picked["cp"]]
+    if shape.seq < LONG:
+        return [1]
+    return [1, *(c for c in GRID_CP if shape.seq % (2 * c) == 0 and shape.seq // c >= 2048)]
+
+
+def _eps(shape: Shape, dp: int, picked: dict) -> list[int]:
+    """The expert-parallel sizes to try: the picked one, or every one dividing the experts and
+    dp (1 for a dense model)."""
+    if "ep" in picked:
+        return [picked["ep"]]
+    if not shape.experts:
+        return [1]
+    return [e for e in divisors(shape.experts, dp) if dp % e == 0]
 
 
 def divisors(n: int, most: int) -> list[int]:
@@ -56,11 +85,22 @@ def divisors(n: int, most: int) -> list[int]:
     return [d for d in every if d <= most]
 
 
-def _options(tp: int, picked: dict):
-    """(v, zero, b, recompute, sp) for every layout of this tp (v and b as picked, if)."""
+def _options(shape: Shape, tp: int, pp: int, dp: int, batch: int, picked: dict):
+    """(v, zero, b, recompute, sp) for every layout of this tp, pp and dp: v every factor of a
+    stage's layers up to MOST_V (1 without a pipeline: its chunks would interleave with
+    nothing), or as picked; b as GRID_B, or as picked, or batch / (dp m) for picked m."""
     sps = (False, True) if tp > 1 else (False,)
-    vs = [picked["v"]] if "v" in picked else GRID_V
-    bs = [picked["b"]] if "b" in picked else GRID_B
+    if "v" in picked:
+        vs = [picked["v"]]
+    else:
+        vs = divisors(max(1, shape.layers // pp), MOST_V) if pp > 1 else [1]
+    if "b" in picked:
+        bs = [picked["b"]]
+    elif "m" in picked:
+        whole = batch % (dp * picked["m"]) == 0
+        bs = [batch // (dp * picked["m"])] if whole else []
+    else:
+        bs = GRID_B
     return product(vs, (0, 1, 2, 3), bs, ("none", "selective", "full"), sps)
 
 

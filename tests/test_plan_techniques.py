@@ -1,0 +1,219 @@
+"""The planner's techniques of large runs: grouped-query attention, context parallelism, a
+mixture of experts with expert parallelism, FP8, any interleaving factor and microbatch count,
+tp beyond a node, and clusters from a file (minidist/cluster/plan.py, search.py, custom.py).
+
+Tier 0: each formula as its docstring states it, on numbers worked by hand here; the command
+line takes the flags and refuses what cannot run with the reason. About 3 s on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from minidist.cluster import custom, hardware, network, plan
+from minidist.cluster import search as plan_search
+
+try:
+    from .test_plan import run_cli
+except ImportError:  # run as a script
+    from test_plan import run_cli
+
+pytestmark = pytest.mark.pure
+A100 = hardware.preset("dgx-a100")
+H100 = hardware.preset("dgx-h100")
+LLAMA70 = plan.SHAPES["llama-70b"]
+LLAMA405 = plan.SHAPES["llama3-405b"]
+MIXTRAL = plan.SHAPES["mixtral-8x7b"]
+
+
+def test_grouped_queries_shrink_keys_and_values_in_parameters_and_activations():
+    # Llama 2 70B: 64 query heads, 8 key/value heads of 128: k and v are 8192 x 1024 each
+    h = LLAMA70.hidden
+    assert LLAMA70.kv_width() == 1024
+    assert LLAMA70.attention_params() == 2 * h * h + 2 * h * 1024
+    # Korthikanti et al.'s 24/t, term by term: q 2, k and v 4 h_kv/h, the attention's output 2,
+    # the gated MLP's three f-wide activations 6 f/h; no dropout: 8 outside tp
+    x = plan.Layout(1, 1, 8, b=1)
+    split = 2 + 4 * 1024 / h + 2 + 6 * LLAMA70.ffn / h
+    want = LLAMA70.seq * h * (8 + split / 8)
+    assert plan.layer_activation_bytes(LLAMA70, x) == pytest.approx(want, rel=1e-12)
+    gpt = plan.SHAPES["gpt3-175b"]  # GPT-3's shape gives their 24 back
+    assert 2 + 4 + 2 + 4 * gpt.ffn / gpt.hidden == 24
+
+
+def test_context_parallelism_holds_a_cpth_of_the_sequence_and_its_ring_hides_behind_attention():
+    shape = replace(LLAMA405, seq=131072)
+    x = plan.Layout(dp=8, pp=16, tp=8, v=8, zero=2, sp=True, ends=True, cp=16)
+    assert plan.problems(shape, x, 16384, 128) == []
+    # a rank holds s/cp tokens of every activation, and ring attention keeps no s x s scores
+    one = replace(x, cp=1)
+    per_layer = plan.layer_activation_bytes(shape, x, flash=False)
+    assert per_layer == pytest.approx(plan.layer_activation_bytes(shape, one) / 16)
+    # the ring: cp - 1 steps of a chunk's keys and values (2 x 8192 tokens x 1024 / 8 values),
+    # forward and twice backward, each step's transfer behind the attention block before it
+    chunk = 2 * 2 * 8192 * 1024 / 8
+    ring = 3 * 15 * network.p2p_seconds(H100, True, chunk, 0.96)
+    rate = 1e15  # attention's FLOPs at this rate: 3 x 4 s h a token, on 8192 tokens, 1/8
+    attention = 3 * 4 * 131072 * 16384 * 8192 / 8 / rate
+    got = plan.cp_seconds(shape, x, H100, plan.calibrated(H100), 2, rate)
+    assert got == pytest.approx(max(0.0, ring - attention))
+    slow = rate / 1e3  # a slow GPU: the attention hides it all; a fast one: part shows
+    assert plan.cp_seconds(shape, x, H100, plan.calibrated(H100), 2, slow) == 0.0
+    assert plan.cp_seconds(shape, x, H100, plan.calibrated(H100), 2, rate * 1e3) > 0
+    # the gradients average over dp x cp, 8 x 16 ranks: the cp ranks tp = 8 apart, the dp
+    # replicas cp pp tp apart, so one a node; tp 1 and cp 4 within a node: four a node
+    assert network.spread_axes([(8, 16), (8 * 16 * 16, 8)], 8) == network.Group(1, 128)
+    assert network.spread_axes([(1, 4), (8, 2)], 8) == network.Group(4, 2)
+    # cp must leave each rank two chunks of the sequence (one early, one late: balanced)
+    odd = plan.problems(replace(shape, seq=131072 + 8), x, 16384, 128)
+    assert odd == ["seq=131080 is not divisible by 2 x cp=16 chunks"]
+
+
+def test_a_long_sequence_is_planned_with_context_parallelism():
+    # Llama 3 405B at 131,072 tokens on 16,384 H100s (Dubey et al., table 4: tp 8, cp 16)
+    shape = replace(LLAMA405, seq=131072)
+    ok, _ = plan_search.search(shape, H100, 16384, 128, picked={"tp": 8})
+    assert ok and ok[0].layout.cp > 1, ok[0].layout if ok else None
+    short, _ = plan_search.search(LLAMA70, H100, 512, 512, picked={"tp": 8, "pp": 4})
+    assert {q.layout.cp for q in short} == {1}  # 4096 tokens: not tried (search.LONG)
+
+
+def test_mixtral_is_counted_as_its_paper_names_it():
+    # Jiang et al. (2024): 47B parameters, 13B active a token (2 of 8 experts)
+    assert MIXTRAL.params() / 1e9 == pytest.approx(46.7, abs=0.1)
+    active = MIXTRAL.layers * MIXTRAL.active_layer_params() + 2 * MIXTRAL.vocab * MIXTRAL.hidden
+    assert active / 1e9 == pytest.approx(12.9, abs=0.1)
+    # model FLOPs count the 2 experts a token; executed FLOPs the capacity too
+    padded = replace(MIXTRAL, capacity=1.25)
+    extra = 0.25 * 2 * MIXTRAL.mlp_params() * 2 * 3 * MIXTRAL.layers  # 3 x 2 x 0.5 expert
+    assert padded.model_flops_per_token() == MIXTRAL.model_flops_per_token()
+    assert padded.step_flops_per_token() - MIXTRAL.step_flops_per_token() == pytest.approx(extra)
+
+
+def test_expert_parallelism_shares_out_the_experts_and_moves_tokens_all_to_all():
+    x = plan.Layout(dp=16, pp=1, tp=2, zero=1, b=1, sp=True, ep=8)
+    dense, expert = plan.layer_params_held(MIXTRAL, x)
+    assert expert == 1 * MIXTRAL.mlp_params() / 2  # 8 experts over ep 8, each cut over tp 2
+    assert dense == MIXTRAL.attention_params() / 2 + MIXTRAL.hidden * 8
+    # ZeRO-1: the dense state over dp = 16 ranks, the experts' over dp / ep = 2
+    got = plan.memory_bytes(MIXTRAL, x, 256)["model state"]
+    embedding = 2 * MIXTRAL.vocab * MIXTRAL.hidden / 2  # pp = 1: embedding and output layer
+    dense_all = 32 * dense + embedding
+    want = dense_all * (4 + 12 / 16) + 32 * expert * (4 + 12 / 2)
+    assert got == pytest.approx(want, rel=1e-12)
+    # 4 all-to-alls a layer (dispatch and combine, forward and backward) of a rank's s b / t
+    # tokens x top_k hidden vectors, over 8 ranks 32 apart (one a node)
+    tokens = MIXTRAL.seq / 2 * 2
+    group = network.spread(2 * 1 * 1, 8, 8)
+    assert group == network.Group(4, 2)
+    each = network.all_to_all_seconds(H100, group, 2 * tokens * MIXTRAL.hidden, 0.96)
+    assert plan.ep_seconds(MIXTRAL, x, H100, plan.calibrated(H100), 2) == pytest.approx(4 * each)
+    assert plan.problems(LLAMA70, plan.Layout(8, 1, 8, ep=2), 64, 64) == [
+        "ep=2 needs a mixture of experts; Llama 2 70B has none"
+    ]
+    assert plan.problems(MIXTRAL, plan.Layout(12, 1, 1, ep=3), 12, 12) == [
+        "ep=3 must divide experts=8 and dp=12"
+    ]
+
+
+def test_all_to_all_sends_inside_the_node_and_across_at_once():
+    n = 1e9
+    inside = 3 / 8 * n / H100.intra.bandwidth  # to the 3 other ranks of the node
+    across = 4 / 8 * n / (H100.inter.bandwidth * 0.5)  # to the 4 on the other node
+    got = network.all_to_all_seconds(H100, network.Group(4, 2), n, 0.5)
+    assert got == pytest.approx(H100.inter.latency + max(inside, across))
+    one = network.all_to_all_seconds(H100, network.Group(8, 1), n)
+    assert one == pytest.approx(H100.intra.latency + 7 / 8 * n / H100.intra.bandwidth)
+
+
+def test_fp8_runs_the_linear_layers_at_the_fp8_peak_where_the_gpu_has_one():
+    # NVIDIA's H100 datasheet: 1,979 TFLOP/s dense FP8, twice its bf16; the A100 has none
+    assert H100.gpu.fp8_flops == 1979e12 and A100.gpu.fp8_flops == 0
+    ratio = H100.gpu.peak_flops / H100.gpu.fp8_flops  # 989 / 1979: half the time a FLOP
+    x = plan.Layout(dp=64, pp=1, tp=8, zero=1, b=1, sp=True)
+    eff = plan.calibrated(H100)
+    bf16 = plan.step(LLAMA70, x, H100, 512, eff)
+    fp8 = plan.step(LLAMA70, replace(x, fp8=True), H100, 512, eff)
+    linear = plan.linear_share(LLAMA70, "none")
+    assert 0.8 < linear < 1  # attention's scores and values and the logits stay in bf16
+    memory = plan.elementwise_nbytes(LLAMA70, x) / H100.gpu.memory_bw * x.microbatches(512)
+    matmuls = bf16["compute"] - memory
+    assert fp8["compute"] - memory == pytest.approx(matmuls * (1 - linear * (1 - ratio)), rel=1e-9)
+    refused = plan.evaluate(LLAMA70, replace(x, fp8=True), A100, 512, 512, plan.calibrated(A100))
+    assert refused.why_not == ("fp8: the A100-SXM4-80GB has no FP8 tensor cores",)
+
+
+def test_the_search_tries_every_interleaving_that_divides_a_stage():
+    # 96 layers on 8 stages: 12 a stage, interleaved by 1, 2, 3 or 4 (search.MOST_V)
+    every = plan_search.layouts(plan.SHAPES["gpt3-175b"], A100, 64, 512, picked={"pp": 8})
+    assert {x.v for x in every} == {1, 2, 3, 4}
+
+
+def test_microbatches_tp_cp_ep_and_fp8_are_picked_on_the_command_line(capsys):
+    code, out, err = run_cli(capsys, "--model", "llama-7b", "--microbatches", "16", "--json")
+    assert code == 0, err
+    layouts = [row["layout"] for row in json.loads(out)["layouts"]]
+    assert layouts and all(512 // (x["dp"] * x["b"]) == 16 for x in layouts)
+    args = ("--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "64", "--batch", "64")
+    picks = ("--ep", "8", "--cp", "2", "--fp8", "--seq-len", "4096", "--json")
+    code, out, err = run_cli(capsys, *args, *picks)
+    assert code == 0, err
+    got = json.loads(out)["layouts"]
+    assert got and all((x["layout"]["ep"], x["layout"]["cp"]) == (8, 2) for x in got)
+    assert all(x["layout"]["fp8"] and x["parts"]["ep"] > 0 for x in got)
+    code, _, err = run_cli(capsys, "--fp8")  # the A100 has none
+    assert code == 2 and "fp8: the A100-SXM4-80GB has no FP8 tensor cores" in err, err
+    code, _, err = run_cli(capsys, "--model", "llama-7b", "--top-k", "2")
+    assert code == 2 and "--top-k, --capacity: Llama 2 7B has no experts" in err, err
+    code, _, err = run_cli(capsys, "--capacity", "0")
+    assert code == 2 and "--capacity=0.0 must be positive" in err, err
+
+
+def test_a_cluster_from_a_file(tmp_path, capsys):
+    toml = tmp_path / "mine.toml"
+    toml.write_text(
+        'base = "dgx-h100"\nname = "two cards a node"\nnics = 2\n'
+        '[gpu]\nname = "H100 slower"\npeak_tflops = 800\n[inter]\nbandwidth_gb_s = 12.5\n'
+    )
+    got = custom.load(str(toml))
+    assert got.name == "two cards a node" and got.nics == 2 and got.gpus_per_node == 8
+    assert got.gpu.peak_flops == 800e12 and got.gpu.fp8_flops == H100.gpu.fp8_flops
+    assert got.inter.bandwidth == 12.5e9 and got.inter.latency == H100.inter.latency
+    assert plan.generation(got) == "H100"  # its name says Hopper
+    whole = {
+        "name": "box",
+        "gpus_per_node": 4,
+        "node_watts": 2000,
+        "usd_per_gpu_hour": 1,
+        "pue": 1.3,
+        "gpu": {"name": "X1", "peak_tflops": 100, "memory_gb": 48, "memory_bw_gb_s": 900,
+                "watts": 300, "calibration": "A100"},
+        "intra": {"name": "bus", "latency_us": 1, "bandwidth_gb_s": 32},
+        "inter": {"name": "eth", "latency_us": 5, "bandwidth_gb_s": 3},
+    }  # fmt: skip
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(whole))
+    box = custom.load(str(path))
+    assert (box.gpu.memory, box.intra.latency, box.nics) == (48e9, 1e-6, 1)
+    code, out, err = run_cli(capsys, "--cluster", str(path), "--model", "llama-7b", "--gpus", "8")
+    assert code == 0 and "on 8 x X1" in out, err
+    bad = dict(whole, gpus_per_node=0, colour="red", gpu=dict(whole["gpu"], peak_tflops=math.inf))
+    path.write_text(json.dumps(bad))
+    code, _, err = run_cli(capsys, "--cluster", str(path))
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    for part in (
+        "colour: unknown",
+        "gpus_per_node=0: must be a positive number",
+        "gpu.peak_tflops",
+    ):
+        assert part in err, err
+    path.write_text(json.dumps({"name": "half"}))
+    with pytest.raises(ValueError, match="gpus_per_node: missing"):
+        custom.load(str(path))
+    code, _, err = run_cli(capsys, "--cluster", str(tmp_path / "none.toml"))
+    assert code == 2 and "no such file" in err, err
