@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minidist.cluster import calibrate, plan, profiles
+from minidist.cluster import calibrate, plan, profiles, report
 from minidist.cluster import cli as plan_cli
 from minidist.cluster import hardware as cluster
 from minidist.cluster import search as plan_search
@@ -65,9 +65,9 @@ def test_mfu_and_hfu_are_korthikantis_table_5(L, h, a, gpus, batch, seconds, mfu
     # table 5, selective recompute and sequence parallelism: the step's seconds give their MFU
     # (model FLOPs) and HFU (recompute counted as 12 s h a layer, not the 4 s h it runs)
     shape = plan.Shape("", L, h, a, 4 * h, 51200, 2048, tied=True)
-    got = plan_cli.mfu(shape, A100, gpus, batch, seconds)
+    got = report.mfu(shape, A100, gpus, batch, seconds)
     assert got * 100 == pytest.approx(mfu, abs=0.2)
-    got = plan_cli.mfu(shape, A100, gpus, batch, seconds, "selective")
+    got = report.mfu(shape, A100, gpus, batch, seconds, "selective")
     assert got * 100 == pytest.approx(hfu, abs=0.2)
     executed = shape.step_flops_per_token("selective") - shape.model_flops_per_token()
     assert executed == 4 * 2048 * h * L  # what runs: the attention core's forward again
@@ -426,7 +426,7 @@ def test_a_changed_shape_is_named_custom_with_its_own_count(capsys):
     # the FFN keeps 4 x the width, the output layer stays tied to the embedding as GPT-3's
     shape = plan.Shape("", 2, 64, 4, 256, GPT3.vocab, GPT3.seq, tied=True)
     name = "custom (GPT-3 175B with layers=2, hidden=64, heads=4, ffn=256)"
-    assert out.startswith(f"{name} ({plan_cli.count(shape.params())})"), out
-    assert plan_cli.count(shape.params()) == "3.4M" and plan_cli.count(175e9) == "175.0B"
+    assert out.startswith(f"{name} ({report.count(shape.params())})"), out
+    assert report.count(shape.params()) == "3.4M" and report.count(175e9) == "175.0B"
     code, out, _ = run_cli(capsys, "--model", "llama-7b", "--gpus", "8", "--hidden", "4096")
     assert out.startswith("Llama 2 7B (6.7B)"), out  # a flag equal to the preset's changes nothing

@@ -6,9 +6,11 @@ network.py    the network as NCCL drives it: a ring on every card, or a tree, by
 simulate.py   minidist's own code run on a simulated cluster, in simulated time
 shapes.py     a model's shape, its parameters and FLOPs, each by a named convention
 plan.py       one layout priced: time, memory, bytes per dimension
+evidence.py   the efficiencies fitted on published runs, the errors on the others, the band
 profiles.py   the frameworks' execution: what data-parallel traffic hides behind compute
 search.py     every layout of a cluster, ranked
 calibrate.py  this machine measured, as a cluster
 custom.py     a cluster from a small JSON or TOML file
-cli.py        `minidist plan`
+cli.py        `minidist plan`: the flags, checked, and the search they ask for
+report.py     what `minidist plan` prints: rows, table, band, why, the picture
 """

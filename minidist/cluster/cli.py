@@ -36,16 +36,12 @@ import json
 import math
 import os
 import sys
-import textwrap
-from collections import Counter
 from dataclasses import asdict, replace
 
-from minidist.cluster import calibrate, custom, plan, profiles, shapes
+from minidist.cluster import calibrate, custom, plan, profiles, report, shapes
 from minidist.cluster import hardware as clusters
 from minidist.cluster import search as plan_search
 
-PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
-SOMETIMES = ("cp", "ep")  # parts shown only where a shown layout has them
 # the --flags that pick layouts
 ONLY = ("dp", "pp", "tp", "cp", "ep", "microbatch_size", "microbatches", "chunks")
 # Every whole-number flag's range. Past these no run is planned (the largest published clusters
@@ -300,7 +296,7 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(cluster, calibrate.Machine):  # measured: each layout on its own rate
         machine, cluster = cluster, cluster.cluster
         ok, refused = machine.search(args.gpus, args.batch, allowed)
-        rows = [_row(shape, machine.cluster_for(q.layout), args, q, band=False) for q in ok]
+        rows = [report.row(shape, machine.cluster_for(q.layout), args, q, band=False) for q in ok]
     else:
         flash = not args.no_flash
         picked = _picked(args)
@@ -316,205 +312,35 @@ def main(args: argparse.Namespace) -> int:
             picked=picked,
             profile=profiles.PROFILES[args.framework or profiles.DEFAULT],
         )
-        rows = [_row(shape, cluster, args, q) for q in ok]
-    reasons = [{"reason": why, "layouts": n} for why, n in _reasons(refused).most_common()]
+        rows = [report.row(shape, cluster, args, q) for q in ok]
+    reasons = [{"reason": why, "layouts": n} for why, n in report.reasons(refused).most_common()]
     if not ok:
         if args.json:
             got = {"model": asdict(shape), "cluster": cluster.name, "layouts": []}
-            got["framework"] = _framework(args)
+            got["framework"] = report.framework(args)
             print(json.dumps(got | {"refused": reasons}))
-        _refuse_all(shape, cluster, args, refused)
+        report.refuse_all(shape, cluster, args, refused)
         return 2
     measured = machine.measured() if machine else None  # --cluster this
     if args.json:
         got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
-        got["framework"] = _framework(args)
+        got["framework"] = report.framework(args)
         got["conventions"] = shapes.conventions(shape)
         got["refused"] = reasons
         print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
-        _print(shape, cluster, args, rows[: args.top], refused)
-        said = shapes.conventions(shape)
-        line = f"counted: parameters, {said['parameters']}; MFU, {said['mfu']}; HFU (--json), "
-        print(textwrap.fill(line + said["hfu"], 100))
-        _band(rows[0])
-        _why(rows)
+        report.table(shape, cluster, args, rows[: args.top], refused)
+        report.counted(shape)
+        report.band(rows[0])
+        report.why(rows)
         if measured:
             rates = ", ".join(f"{k} {v:.1f}" for k, v in measured["gflop_s"].items())
             print(f"measured: a = {measured['latency_us']:.1f} us, B = ", end="")
             print(f"{measured['bandwidth_gb_s']:.2f} GB/s, copy {measured['copy_gb_s']:.1f} GB/s;")
             print(f"a core's GFLOP/s on the block: {rates}")
     if args.png:
-        _draw(rows[: args.top], args.png)
+        report.draw(rows[: args.top], args.png)
     return 0
-
-
-def _refuse_all(shape, cluster, args, refused) -> None:
-    """No layout runs: say so, and what the leanest one would need."""
-    say = lambda line: print(f"minidist plan: {line}", file=sys.stderr)  # noqa: E731
-    say(f"no layout of {shape.name} runs on {args.gpus} GPUs of {cluster.name}")
-    if not refused:  # every layout was filtered out before it was priced
-        say("no layout has the recompute, ZeRO stage and sequence parallelism asked for")
-    sized = [q for q in refused if q.memory]
-    if sized:
-        lean = min(sized, key=lambda q: sum(q.memory.values()))
-        say(f"the leanest, {_name(asdict(lean.layout))}: {lean.why_not[0]}")
-    for reason, n in _reasons(refused).most_common(3):
-        say(f"{n} layouts: {reason}")
-    if len(_reasons(refused)) > 3:
-        say(f"and {len(_reasons(refused)) - 3} other reasons (--json lists them all)")
-
-
-def _reasons(refused) -> Counter:
-    """How many layouts each kind of reason refused (the numbers in it stripped)."""
-    kinds = Counter()
-    for q in refused:
-        for why in q.why_not:
-            kinds[why.split(";")[0] if why.startswith("needs") else why] += 1
-    return kinds
-
-
-def _row(shape, cluster, args, q: plan.Plan, band: bool = True) -> dict:
-    """One layout's numbers; band: its step time's and days' error band (plan.error_band),
-    for the presets (None for this machine, which the published runs do not validate)."""
-    tokens_per_s = args.batch * shape.seq / q.seconds
-    days = args.tokens / tokens_per_s / 86400
-    gpu_hours = days * 24 * args.gpus
-    watts = cluster.node_watts / cluster.gpus_per_node * args.gpus * cluster.pue
-    low, high = plan.error_band(q.seconds) if band else (None, None)
-    return {
-        "layout": asdict(q.layout),
-        "seconds": q.seconds,
-        "seconds_band": [low, high] if band else None,
-        "days_band": [days * low / q.seconds, days * high / q.seconds] if band else None,
-        "parts": q.parts,
-        "memory_gb": {k: v / 1e9 for k, v in q.memory.items()},
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu(shape, cluster, args.gpus, args.batch, q.seconds),
-        "hfu": mfu(shape, cluster, args.gpus, args.batch, q.seconds, q.layout.recompute),
-        "days": days,
-        "mwh": watts * days * 24 / 1e6,
-        "usd": gpu_hours * cluster.usd_per_gpu_hour,
-    }
-
-
-def mfu(
-    shape: plan.Shape,
-    cluster: clusters.Cluster,
-    gpus: int,
-    batch: int,
-    seconds: float,
-    recompute: str | None = None,
-) -> float:
-    """Model FLOPs utilisation: 3 x the forward FLOPs of the batch (no recompute counted)
-    over what the GPUs could do in that time at peak (Chowdhery et al., PaLM, appendix B);
-    with recompute, hardware FLOPs utilisation instead, recompute counted as the papers count
-    it (shapes.Shape.hardware_flops_per_token)."""
-    per_token = (
-        shape.model_flops_per_token()
-        if recompute is None
-        else shape.hardware_flops_per_token(recompute)
-    )
-    return per_token * batch * shape.seq / (seconds * gpus * cluster.gpu.peak_flops)
-
-
-def _name(layout: dict) -> str:
-    x = layout
-    sp = (" sp" if x["sp"] else "") + (" ends" if x.get("ends") else "")
-    more = "".join(f" {k}{x[k]}" for k in ("cp", "ep") if x.get(k, 1) > 1)
-    more += " fp8" if x.get("fp8") else ""
-    return (
-        f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}"
-        f"{sp}{more}"
-    )
-
-
-def _shown(rows) -> list[str]:
-    """The parts to show: PARTS, less cp and ep where no row has them."""
-    return [p for p in PARTS if p not in SOMETIMES or any(r["parts"][p] for r in rows)]
-
-
-def count(n: float) -> str:
-    """A parameter count as people write it: 175.0B, 124.4M, 12.3K."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n:.0f}"
-
-
-def _framework(args) -> str:
-    """The profile the plan was priced with (cluster/profiles.py)."""
-    return "minidist" if args.cluster == "this" else args.framework or profiles.DEFAULT
-
-
-def _print(shape, cluster, args, rows, refused) -> None:
-    print(f"{shape.name} ({count(shape.params())}) on {args.gpus} x {cluster.gpu.name},")
-    print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
-    profile = profiles.PROFILES[_framework(args)]
-    print(f"framework {profile.name}: {profile.source}")
-    unit, scale = ("s", 1) if rows[0]["seconds"] >= 1 else ("ms", 1e3)  # a toy's step: ms
-    shown = _shown(rows)
-    head = f"{'layout':38} {'step ' + unit:>7} " + " ".join(f"{p:>6}" for p in shown)
-    print(head + f" {'GB':>5} {'MFU':>5} {'days':>6} {'MWh':>7} {'M$':>6}")
-    for r in rows:
-        parts = " ".join(f"{r['parts'][p] * scale:6.2f}" for p in shown)
-        gb, step = sum(r["memory_gb"].values()), r["seconds"] * scale
-        money = f"{r['days']:6.1f} {r['mwh']:7.1f} {r['usd'] / 1e6:6.2f}"
-        print(f"{_name(r['layout']):38} {step:7.2f} {parts} {gb:5.1f} {r['mfu']:5.2f} {money}")
-    memory = [q for q in refused if q.why_not[0].startswith("needs")]
-    print(f"refused: {len(memory)} layouts do not fit in memory, {len(refused) - len(memory)} do")
-    print("not divide the model, the batch or the GPUs")
-
-
-def _band(best: dict) -> None:
-    """The best layout's error band, and how it is drawn (nothing for this machine)."""
-    if best["seconds_band"] is None:
-        return
-    errors = plan.error_deciles()
-    (low, high), (dlow, dhigh) = best["seconds_band"], best["days_band"]
-    unit, scale = ("s", 1) if best["seconds"] >= 1 else ("ms", 1e3)
-    print(
-        f"band: the best step {low * scale:.2f} to {high * scale:.2f} {unit}, {dlow:.1f} to ",
-        end="",
-    )
-    print(f"{dhigh:.1f} days: the middle 80% of the planner's errors on")
-    print(f"{len(plan.VALIDATION_ERRORS)} published runs ({errors[0]:+.1%} to {errors[-1]:+.1%})")
-
-
-def _why(rows) -> None:
-    """Why the best wins: against the best layout on another dp x pp x tp grid."""
-    grid = lambda r: (r["layout"]["dp"], r["layout"]["pp"], r["layout"]["tp"])  # noqa: E731
-    other = next((r for r in rows if grid(r) != grid(rows[0])), None)
-    if other is None:
-        return
-    best = rows[0]
-    gap = {p: other["parts"][p] - best["parts"][p] for p in PARTS}
-    part = max(gap, key=gap.get)
-    ahead = other["seconds"] / best["seconds"] - 1
-    print(f"why the best wins: {ahead:.1%} faster than the best on another grid")
-    unit, scale = ("s", 1) if best["seconds"] >= 1 else ("ms", 1e3)
-    ours, theirs = best["parts"][part] * scale, other["parts"][part] * scale
-    print(f"({_name(other['layout'])}), most of it in {part}: {ours:.2f} {unit} against")
-    print(f"{theirs:.2f} {unit}")
-
-
-def _draw(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
-    names = [_name(r["layout"]) for r in rows][::-1]
-    left = [0.0] * len(rows)
-    for p in _shown(rows):
-        widths = [r["parts"][p] for r in rows][::-1]
-        ax.barh(names, widths, left=left, label=p)
-        left = [a + b for a, b in zip(left, widths, strict=True)]
-    ax.set_xlabel("seconds per step (formulas)")
-    ax.legend(title="part of the step", loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":  # python -m minidist.cluster.cli ...
