@@ -217,3 +217,25 @@ def test_a_cluster_from_a_file(tmp_path, capsys):
         custom.load(str(path))
     code, _, err = run_cli(capsys, "--cluster", str(tmp_path / "none.toml"))
     assert code == 2 and "no such file" in err, err
+
+
+def test_a_run_that_needs_a_technique_its_layout_lacks_is_warned_of(capsys):
+    # Llama 3 405B at 131,072 tokens, held to cp 1: the warning names what attention costs
+    args = ("--model", "llama3-405b", "--cluster", "dgx-h100", "--gpus", "16384", "--tp", "8")
+    long = ("--batch", "128", "--seq-len", "131072", "--tokens", "1e13")
+    code, out, err = run_cli(capsys, *args, *long, "--cp", "1")
+    assert code == 0, err
+    assert "warning: seq=131072 without context parallelism: attention is 57%" in out, out
+    code, out, _ = run_cli(capsys, *args, *long, "--cp", "1", "--json")
+    (line,) = json.loads(out)["warnings"]
+    assert "Llama 3 ran cp 16 at 131,072 tokens (Dubey et al., 2024, table 4)" in line
+    code, out, _ = run_cli(capsys, *args, *long, "--json")  # free to choose: it takes cp
+    got = json.loads(out)
+    assert got["layouts"][0]["layout"]["cp"] > 1 and got["warnings"] == []
+    # Llama 2 70B on 16 A100s fits only with recompute; asked for, it is no news
+    code, out, _ = run_cli(capsys, "--model", "llama-70b", "--gpus", "16", "--json")
+    assert json.loads(out)["warnings"][0].startswith("fits only with activation recompute")
+    code, out, _ = run_cli(
+        capsys, "--model", "llama-70b", "--gpus", "16", "--json", "--recompute", "full"
+    )
+    assert json.loads(out)["warnings"] == []

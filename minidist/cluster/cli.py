@@ -10,17 +10,23 @@
     minidist bench p2p -n 2 --backend mpi --json > p2p.json
     minidist plan --cluster this --calibration p2p.json --gpus 2 --batch 16   # this machine
     minidist plan ... --dp 2 --tp 1 --microbatch-size 2     # only layouts with these numbers
+    minidist plan --model llama3-405b --seq-len 131072 --cp 16 --fp8 ...   # cp, ep, FP8
+    minidist plan --model mixtral-8x7b --ep 8 --framework fsdp ...   # whose overlap
+    minidist plan --cluster my_cluster.toml ...             # your cluster (cluster/custom.py)
 
 Prints the best layouts (plan_search.search) with the step time by part, tokens/s, MFU, memory per
 GPU, and for the token budget the days, the energy (MWh, at the nodes' full power times the
-PUE: an upper bound) and the cost; the best one's error band (plan.error_band: where its step
-would fall were the planner as wrong as on the middle 80% of the 42 published runs it was
-checked on; --json: every layout's seconds_band and days_band); then why the best one wins,
-and how many layouts were refused for which reason (--json: "refused", each reason with its
-count, also when none runs; "problems": the input's, when it is refused before any layout).
+PUE: an upper bound) and the cost (cluster/report.py); how parameters and FLOPs were counted;
+warnings where the best layout lacks a technique the run needs (a long sequence without
+context parallelism, a model that fits only with recompute: --json "warnings"); the best one's
+error band (plan.error_band: where its step would fall were the planner as wrong as on the
+middle 80% of the 42 published runs it was checked on; --json: every layout's seconds_band and
+days_band); then why the best one wins, and how many layouts were refused for which reason
+(--json: "refused", each reason with its count, also when none runs; "problems": the input's,
+when it is refused before any layout).
 Bad input is refused with one line per reason (exit 2): every number is read here (numbers) and
-one outside LIMITS is refused with its value before any work; a picked dp, pp or tp that cannot
-divide the GPUs is refused with the numbers (pick_problems).
+one outside LIMITS is refused with its value before any work; a picked dp, pp, tp or cp that
+cannot divide the GPUs is refused with the numbers (pick_problems).
 `--cluster this` is this computer, one rank per core, as cluster/calibrate.py measures it: alpha and
 B fitted to `minidist bench p2p --json`, a core's copy bandwidth, and its FLOP/s on minidist's
 own block at each layout's microbatch and tp (measured when a layout that fits first needs it:
@@ -322,15 +328,18 @@ def main(args: argparse.Namespace) -> int:
         report.refuse_all(shape, cluster, args, refused)
         return 2
     measured = machine.measured() if machine else None  # --cluster this
+    warnings = report.warnings(shape, ok, args.recompute is not None)
     if args.json:
         got = {"model": asdict(shape), "cluster": cluster.name, "layouts": rows}
         got["framework"] = report.framework(args)
         got["conventions"] = shapes.conventions(shape)
+        got["warnings"] = warnings
         got["refused"] = reasons
         print(json.dumps(got | ({"measured": measured} if measured else {})))
     else:
         report.table(shape, cluster, args, rows[: args.top], refused)
         report.counted(shape)
+        report.warn(warnings)
         report.band(rows[0])
         report.why(rows)
         if measured:

@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 from minidist.cluster import hardware as clusters
 from minidist.cluster import plan, profiles, shapes
+from minidist.cluster.search import LONG
 
 PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 SOMETIMES = ("cp", "ep")  # parts shown only where a shown layout has them
@@ -194,3 +195,33 @@ def counted(shape: plan.Shape) -> None:
     said = shapes.conventions(shape)
     line = f"counted: parameters, {said['parameters']}; MFU, {said['mfu']}; HFU (--json), "
     print(textwrap.fill(line + said["hfu"], 100))
+
+
+def warnings(shape: plan.Shape, ok: list, recompute_asked: bool) -> list[str]:
+    """What the best layout (ok[0]) needs and lacks, in words, with the numbers: a long
+    sequence (search.LONG tokens and more) without context parallelism, and a model that fits
+    only with activation recompute (no feasible layout without it; unless --recompute chose)."""
+    found = []
+    best = ok[0].layout
+    if best.cp == 1 and shape.seq >= LONG:
+        scores = 4 * shape.seq * shape.hidden
+        share = scores / (2 * shape.active_layer_params() + scores)
+        kept = plan.layer_activation_bytes(shape, best) / 1e9
+        found.append(
+            f"seq={shape.seq} without context parallelism: attention is {share:.0%} of a "
+            f"layer's FLOPs and a layer keeps {kept:.1f} GB a microbatch; Llama 3 ran cp 16 at "
+            "131,072 tokens (Dubey et al., 2024, table 4): try --cp"
+        )
+    if best.recompute != "none" and not recompute_asked:
+        if all(q.layout.recompute != "none" for q in ok):
+            found.append(
+                f"fits only with activation recompute: no layout without it fits ({best.recompute}"
+                " recompute costs the best one a forward again, or part of one)"
+            )
+    return found
+
+
+def warn(lines: list[str]) -> None:
+    """Each warning, wrapped at 100 columns."""
+    for line in lines:
+        print(textwrap.fill(f"warning: {line}", 100, subsequent_indent="  "))
