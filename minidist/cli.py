@@ -17,10 +17,6 @@ import math
 import os
 import sys
 
-from minidist.launch.launcher import BACKENDS, launch, run_threads
-from minidist.launch.watchdog import job_timeout
-from minidist.pipeline.draw import add_schedule_command
-
 
 def default_note(action: argparse.Action) -> str:
     """'(default: 8)' for an option with a default worth saying; '' for None, a switch that is
@@ -145,18 +141,33 @@ def command_problems(args: argparse.Namespace) -> list[str]:
     return found
 
 
+def __getattr__(name: str):
+    """launch and run_threads, the launcher's, imported when first asked for: only `minidist
+    run` starts ranks, and the launcher imports torch, which `minidist plan` never needs."""
+    if name in ("launch", "run_threads"):
+        from minidist.launch import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'minidist.cli' has no attribute {name!r}")
+
+
 def _run(args: argparse.Namespace) -> int:
+    from minidist.launch import launcher
+    from minidist.launch.watchdog import job_timeout
+
     argv = [args.script, *args.args]
     if args.backend == "threads":
-        outcome = run_threads(argv, args.n, job_timeout(), sends=args.sends)
+        outcome = launcher.run_threads(argv, args.n, job_timeout(), sends=args.sends)
     else:
-        outcome = launch(argv, args.n, args.backend)
+        outcome = launcher.launch(argv, args.n, args.backend)
     if outcome.returncode != 0:
         print(f"minidist run: {outcome.report()}", file=sys.stderr, end="")
     return outcome.returncode
 
 
 def _add_run(sub) -> None:
+    from minidist.launch.launcher import BACKENDS
+
     p = sub.add_parser("run", help="start N ranks of a script on this machine")
     p.add_argument("-n", type=int, required=True, help="number of ranks")
     p.add_argument("--backend", choices=BACKENDS, default="mpi")
@@ -196,32 +207,70 @@ def _add_bench(sub) -> None:
         bench.add_parser(kinds)
 
 
-def build_parser() -> Parser:
-    """The whole command: every subcommand and its flags."""
-    # the main job and the planner import every technique, so only here, when a command is parsed
-    from minidist.cluster import cli as plan_cli
-    from minidist.conform import command as conform_command
+def _add_train(sub) -> None:
     from minidist.gpt import cli as train_cli
+
+    train_cli.add_parser(sub)
+
+
+def _add_sample(sub) -> None:
     from minidist.gpt import sample
 
+    sample.add_parser(sub)
+
+
+def _add_schedule(sub) -> None:
+    from minidist.pipeline.draw import add_schedule_command
+
+    add_schedule_command(sub)
+
+
+def _add_plan(sub) -> None:
+    from minidist.cluster import cli as plan_cli
+
+    plan_cli.add_parser(sub)
+
+
+def _add_conform(sub) -> None:
+    from minidist.conform import command as conform_command
+
+    conform_command.add_parser(sub)
+
+
+# every subcommand, in the order --help lists them, and the function that adds its parser: each
+# imports its own module when called (the main job imports every technique and torch; the
+# planner neither)
+COMMANDS = {
+    "run": _add_run,
+    "bench": _add_bench,
+    "train": _add_train,
+    "sample": _add_sample,
+    "schedule": _add_schedule,
+    "plan": _add_plan,
+    "conform": _add_conform,
+}
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The whole command: every subcommand and its flags; or, given the subcommand a command
+    line names, that one alone, so that only its module is imported (`minidist plan` imports
+    no torch: tests/test_plan_input.py checks it)."""
     parser = Parser(prog="minidist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_run(sub)
-    _add_bench(sub)
-    train_cli.add_parser(sub)
-    sample.add_parser(sub)
-    add_schedule_command(sub)
-    plan_cli.add_parser(sub)
-    conform_command.add_parser(sub)
+    for name, add in COMMANDS.items():
+        if command in (None, name):
+            add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minidist.gpt import cli as train_cli
-
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    named = next((a for a in argv if not a.startswith("-")), None)  # the subcommand, if any
+    args = build_parser(named if named in COMMANDS else None).parse_args(argv)
     found = numeric_problems(args) + command_problems(args)
     if args.command == "train":
+        from minidist.gpt import cli as train_cli
+
         found = train_cli.problems(args, found)
     if found:  # before anything starts: one line per reason
         print("\n".join(f"minidist {args.command}: {why}" for why in found), file=sys.stderr)

@@ -12,6 +12,8 @@ refused as "no layout runs" and nothing more), in text and in the JSON.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import tracemalloc
 
@@ -101,3 +103,24 @@ def test_a_pick_off_the_search_grid_is_priced(flag, value, key, capsys):
     code, out, err = run_cli(capsys, flag, str(value), "--json")
     assert code == 0, err
     assert {row["layout"][key] for row in json.loads(out)["layouts"]} == {value}
+
+
+def test_minidist_plan_imports_no_torch():
+    # `minidist plan` answers within a second because it imports only the planner: the command
+    # line builds the parser of the subcommand it names (minidist/cli.py: build_parser), and
+    # importing minidist imports no comm (minidist/__init__.py). Checked on the modules loaded,
+    # in a fresh process (this one has torch), for a refusal and for a plan.
+    program = (
+        "import sys, contextlib, io\n"
+        "from minidist import cli\n"
+        "out, err = io.StringIO(), io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+        "    refused = cli.main(['plan', '--gpus', '1000000000', '--batch', '1000000000'])\n"
+        "    planned = cli.main(['plan', '--model', 'llama-7b', '--gpus', '8'])\n"
+        "torch = [m for m in sys.modules if m.split('.')[0] == 'torch']\n"
+        "print(refused, planned, sorted(torch)[:3])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["2", "0", "[]"], (done.stdout, done.stderr)

@@ -44,7 +44,7 @@ import os
 import sys
 from dataclasses import asdict, replace
 
-from minidist.cluster import calibrate, custom, plan, profiles, report, shapes
+from minidist.cluster import custom, plan, profiles, report, shapes
 from minidist.cluster import hardware as clusters
 from minidist.cluster import search as plan_search
 
@@ -218,6 +218,9 @@ def _inputs(args) -> tuple[plan.Shape, clusters.Cluster, list[str]]:
             return shape, None, [*found, f"--cluster {args.cluster}: {e}"]
     if args.cluster != "this":
         return shape, clusters.preset(args.cluster), found
+    # only here: measuring this machine runs torch, which the other clusters never import
+    from minidist.cluster import calibrate
+
     found += calibrate.problems(shape)
     try:
         return shape, calibrate.Machine(args.calibration, shape), found
@@ -299,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"minidist plan: {line}", file=sys.stderr)
         return 2
     allowed, machine = (lambda x: _allowed(args, x)), None  # noqa: E731
-    if isinstance(cluster, calibrate.Machine):  # measured: each layout on its own rate
+    if args.cluster == "this":  # measured: each layout on its own rate (calibrate.Machine)
         machine, cluster = cluster, cluster.cluster
         ok, refused = machine.search(args.gpus, args.batch, allowed)
         rows = [report.row(shape, machine.cluster_for(q.layout), args, q, band=False) for q in ok]
