@@ -41,7 +41,10 @@ def test_the_worked_example_ddp_passes_over_gloo_processes():
     """COMM = "torch": the from-scratch DDP gets a torch.distributed group, on sub-worlds of
     1..4 of one job of 4 gloo processes."""
     results = runner.conform(EXAMPLE, registry.CAPABILITIES["dp"], ["gloo"], 0)
-    assert [r.status for r in results] == ["passed"] * len(results), [r.problem for r in results]
+    status = {r.check: r.status for r in results}
+    skipped = {r.check: r.problem for r in results if r.status == "skipped"}
+    assert skipped == {"bucket_sizes": "the adapter has no data_parallel_buckets"}, skipped
+    assert set(status.values()) == {"passed", "skipped"}, [r.problem for r in results]
     assert {r.backend for r in results} == {"gloo"}
 
 

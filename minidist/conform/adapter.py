@@ -25,6 +25,9 @@ in place or new):
 data parallelism (dp):
     data_parallel(comm, module) -> model            wrap: broadcast rank 0's parameters and
                                                     buffers; model(x) runs module's forward
+    data_parallel_buckets(comm, module, bucket_bytes) -> model   optional: the same, its
+                                                    gradients reduced in buckets of about
+                                                    bucket_bytes (1 byte .. 1 MiB)
     dp_after_backward(model)                        optional: after the backward of a step that
                                                     synchronizes (e.g. finish_gradient_sync)
     dp_no_sync(model) -> context manager            optional: backward inside it communicates

@@ -9,6 +9,7 @@ each other. Ranks build their models from different seeds: the wrapper must make
 (rank 0's parameters and buffers, broadcast at wrap time, compared exactly). Inside no_sync,
 each rank's gradient is its own share's, accumulated (nothing communicated). A parameter that no
 rank used keeps .grad None; one used on some ranks only is averaged with zeros from the others.
+Buckets (data_parallel_buckets, optional): the same for bucket sizes of 1 byte to 1 MiB.
 Cases: world sizes 1..6 on threads (1..4 over processes), 1..4 rows per rank, 1..3 steps.
 """
 
@@ -107,7 +108,10 @@ def run_training(rank, case: dict) -> dict:
     if case["accum"] > 1 and not hasattr(a, "dp_no_sync"):
         raise Unavailable("accumulation needs dp_no_sync(model)")
     local = Net(case["d"], case["h"], case["seed"] + 1000 * r, case["kind"])  # out of sync
-    model = a.data_parallel(rank.comm, local)
+    if "bucket" in case:
+        model = a.data_parallel_buckets(rank.comm, local, case["bucket"])
+    else:
+        model = a.data_parallel(rank.comm, local)
     record = {"after_wrap": state(local), "steps": []}
     opt = optimizer(case["opt"], local)
     for micro_batches in problem(case):
@@ -247,6 +251,22 @@ def fixed(kind: str, **changes) -> tuple:
     )
 
 
+def bucket_cases(max_p: int):
+    """The awkward and branch models under buckets of 1 byte (one a parameter) to 1 MiB (one
+    for all), so their edges fall between and around every kind of parameter."""
+    sizes = st.sampled_from([1, 8, 24, 64, 200, 1 << 20])
+    one_of = st.one_of(
+        cases_of("awkward", steps=(1, 2), opts=("sgd", "adamw"))(max_p),
+        cases_of("branch")(max_p),
+    )
+    return st.tuples(one_of, sizes).map(lambda c: c[0] | {"bucket": c[1]})
+
+
+HARD_BUCKETS = [1, 24, 64, 1 << 20] * 2  # one per fixed case below: awkward's 4, branch's 4
+BUCKETS = tuple(
+    case | {"bucket": bucket}
+    for case, bucket in zip(fixed("awkward", steps=2) + fixed("branch"), HARD_BUCKETS, strict=True)
+)
 NEEDS = ("data_parallel",)
 CHECKS = [
     Check(
@@ -311,5 +331,16 @@ CHECKS = [
         judge_training,
         cases_of("awkward", steps=(1, 2), opts=("sgd", "adamw")),
         fixed("awkward", steps=2),
+    ),
+    Check(
+        "dp",
+        "bucket_sizes",
+        "data_parallel_buckets with buckets of 1 byte to 1 MiB: the awkward and branch models' "
+        "gradients and steps as one process (1e-12), replicas bitwise equal",
+        ("data_parallel_buckets",),
+        run_training,
+        judge_training,
+        bucket_cases,
+        BUCKETS,
     ),
 ]

@@ -123,6 +123,13 @@ def _dp_no_sync_syncs(model):
     return contextlib.nullcontext()  # bug: backward inside still communicates
 
 
+def _dp_last_bucket_dropped(comm, module, bucket_bytes):
+    model = ours.data_parallel_buckets(comm, module, bucket_bytes)
+    if len(model.buckets) > 1:
+        model.buckets = model.buckets[:-1]  # bug: the last, partial bucket is never reduced
+    return model
+
+
 # ---- tensor parallelism ------------------------------------------------------------------------
 
 
@@ -466,6 +473,11 @@ MUTANTS = {
         "dp",
         "no_sync does not stop the gradient hooks",
         _like_ours(dp_no_sync=_dp_no_sync_syncs),
+    ),
+    "dp_last_bucket_dropped": (
+        "dp",
+        "the last, partial bucket is never reduced (its gradients stay this rank's own)",
+        _like_ours(data_parallel_buckets=_dp_last_bucket_dropped),
     ),
     "tp_row_bias_every_rank": (
         "tp",

@@ -59,6 +59,10 @@ def data_parallel(comm, module):
     return DataParallelBucketed(module, comm, bucket_bytes=64, algorithm="ring")
 
 
+def data_parallel_buckets(comm, module, bucket_bytes):
+    return DataParallelBucketed(module, comm, bucket_bytes=bucket_bytes, algorithm="ring")
+
+
 def dp_after_backward(model):
     model.finish_gradient_sync()
 

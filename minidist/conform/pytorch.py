@@ -102,6 +102,12 @@ def data_parallel(comm, module):
     )
 
 
+def data_parallel_buckets(comm, module, bucket_bytes):
+    return nn.parallel.DistributedDataParallel(
+        module, process_group=comm, find_unused_parameters=True, bucket_cap_mb=bucket_bytes / 2**20
+    )
+
+
 def dp_no_sync(model):
     return model.no_sync()
 
