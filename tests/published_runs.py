@@ -4,17 +4,17 @@ Every number is read from the source named by its row (SOURCES; the quoted evide
 ASSUMED lists what a source does not state and the planner needed. plan.CALIBRATED is fitted on
 three rows (it names them); tests/test_published_runs.py checks the planner on every other row.
 Sources report one of: the iteration time (seconds), MFU (model FLOPs over peak, recompute not
-counted: Chowdhery et al., PaLM, appendix B), or Megatron-LM's achieved TFLOP/s per GPU (tflops),
+counted: Chowdhery et al., PaLM, appendix B), Megatron-LM's achieved TFLOP/s per GPU (tflops),
 which counts the extra forward pass of full recompute (Narayanan et al., SC 2021, section 5.1,
-equation 3).
+equation 3), or tokens a second a GPU (tokens: TorchTitan's tables).
 Left out: PTD GPT-174.6B on 384 A100 (Narayanan Table 2) (tp and pp not stated (only their product,
 96)); PTD GPT-174.6B on 768 A100 (Narayanan Table 2) (the same); PTD GPT-174.6B on 1536 A100
 (Narayanan Table 2) (the same); OPT-175B on 992 A100-80GB (tensor-parallel size and batch in
-sequences not stated); Llama 3 405B pre-training stage on 16,384 H100 (TP8 CP16 PP16 DP8, seq
-131072) (context parallelism (cp=16) is not modelled); NeMo 24.07 GPT3-175B FP8 on 128 H100 (FP8);
-NeMo 24.07 GPT3-175B FP8 on 512 H100 (FP8); NeMo 24.07 LLAMA3-70B FP8 on 64 H100 (FP8, context
-parallelism); NeMo 24.07 LLAMA3-8B FP8 on 8 H100 (FP8, context parallelism); Megatron-Bridge 25.11
-Llama 3.1 405B FP8-CS on 1024 H100 (FP8, context parallelism).
+sequences not stated). Not yet added (FP8 and context parallelism are modelled now): NeMo 24.07
+GPT3-175B FP8 on 128 and on 512 H100; NeMo 24.07 LLAMA3-70B FP8 on 64 H100; NeMo 24.07 LLAMA3-8B
+FP8 on 8 H100; Megatron-Bridge 25.11 Llama 3.1 405B FP8-CS on 1024 H100; its mixtures of experts
+(GPT OSS, Qwen3), whose attention is wider than the model (heads x head_dim != hidden), which
+plan.Shape cannot express.
 """
 
 SOURCES = {
@@ -47,6 +47,12 @@ SOURCES = {
     "m23": (
         "MosaicML llm-foundry, scripts/train/benchmarking/README.md (MFU tables) and the mpt yamls"
     ),
+    "t24": (
+        "Liang et al., 'TorchTitan: One-stop PyTorch native solution for production ready LLM "
+        "pre-training', ICLR 2025 (arXiv:2410.06511), section 3.1 and tables 1, 2, 3 and 5; the "
+        "sequence length from torchtitan's train_configs (llama3_8b.toml, llama3_70b.toml: "
+        "seq_len = 8192); the GPUs' memory bandwidth from its docs/performance.md"
+    ),
 }
 
 # Each source's framework, as minidist/cluster/profiles.py names it (where its data-parallel
@@ -65,6 +71,7 @@ PROFILE = {
     "x22": "deepspeed",
     "d24": "fsdp",
     "m23": "fsdp",
+    "t24": "fsdp",
     **dict.fromkeys(("r00", "r01", "r02", "r03"), "ddp"),
     **dict.fromkeys(("r10", "r11", "r12", "r13", "r14", "r15"), "deepspeed"),
 }
@@ -81,7 +88,7 @@ NO_INTERLEAVING = ("s22", "b22", "x22")
 # released model code, meta-llama/llama llama/model.py, has no dropout layer, and the paper
 # names none). Megatron-LM's and Megatron-DeepSpeed's runs keep their default of 0.1 (BLOOM's
 # tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
-NO_DROPOUT = ("x22", "m23", "d24")
+NO_DROPOUT = ("x22", "m23", "d24", "t24")
 
 # Whose output layer is the embedding's matrix, its parameters counted once (plan.Shape.tied), as
 # each source counts them: Megatron-LM's GPT computes the logits with the word embeddings' weight
@@ -118,6 +125,10 @@ SHAPES = {
     "L70h14336v250": (70, 14336, 112, 112, 57344, False, 250680, 2048),
     "L44h6144": (44, 6144, 64, 64, 24576, False, 51200, 2048),
     "L126h16384s8192v128": (126, 16384, 128, 8, 53248, True, 128000, 8192),
+    "L126h16384s131072v128": (126, 16384, 128, 8, 53248, True, 128000, 131072),
+    "L32h4096s8192v128": (32, 4096, 32, 8, 14336, True, 128256, 8192),
+    "L32h4096s131072v128": (32, 4096, 32, 8, 14336, True, 128256, 131072),
+    "L80h8192s8192v128": (80, 8192, 64, 8, 28672, True, 128256, 8192),
     "L80h8192v50": (80, 8192, 64, 64, 32768, False, 50368, 2048),
     "L48h7168v50": (48, 7168, 56, 56, 28672, False, 50368, 2048),
     "L40h5120v50": (40, 5120, 40, 40, 20480, False, 50368, 2048),
@@ -162,6 +173,7 @@ RUNS = {
     "r37": ("L44h6144", "x22", "A100", 40, 96, 2, 4, 1, 1, 4, 1536, "full", 0, 0),
     "r38": ("L126h16384s8192v128", "d24", "H100", 80, 8192, 8, 16, 8, 2, 1, 2048, "none", 1, 1),
     "r39": ("L126h16384s8192v128", "d24", "H100", 80, 16384, 8, 16, 8, 2, 1, 2048, "none", 1, 1),
+    "r40": ("L126h16384s131072v128", "d24", "H100", 80, 16384, 8, 16, 8, 2, 1, 128, "none", 1, 1),
     "r41": ("L80h8192v50", "m23", "H100", 80, 64, 1, 1, 1, 3, 8, 2048, "full", 0, 1),
     "r42": ("L48h7168v50", "m23", "H100", 80, 32, 1, 1, 1, 3, 14, 1344, "full", 0, 1),
     "r43": ("L40h5120v50", "m23", "H100", 80, 64, 1, 1, 1, 3, 2, 128, "none", 0, 1),
@@ -171,7 +183,23 @@ RUNS = {
     "r47": ("L32h4096v50", "m23", "A100", 80, 8, 1, 1, 1, 3, 6, 96, "none", 0, 1),
     "r48": ("L80h8192v50", "m23", "A100", 40, 128, 1, 1, 1, 3, 4, 512, "full", 0, 1),
     "r49": ("L40h5120v50", "m23", "A100", 40, 128, 1, 1, 1, 3, 16, 2048, "full", 0, 1),
+    "r50": ("L32h4096s8192v128", "t24", "H100", 102, 8, 1, 1, 1, 3, 2, 16, "op", 0, 1),
+    "r51": ("L32h4096s8192v128", "t24", "H100", 102, 128, 1, 1, 1, 3, 2, 256, "op", 0, 1),
+    "r52": ("L32h4096s131072v128", "t24", "H100", 102, 8, 1, 1, 1, 3, 1, 2, "full", 0, 1),
+    "r53": ("L80h8192s8192v128", "t24", "H100", 102, 256, 8, 1, 1, 3, 16, 512, "full", 1, 1),
 }
+
+# What the columns of RUNS cannot hold: context parallelism, FP8, and the GPUs' memory bandwidth
+# where it is not the preset's. Llama 3's long-context stage ran cp 16 (Dubey et al., table 4);
+# TorchTitan's table 5 ran FSDP 2 x CP 4 with torch.compile and Float8, its table 3 Float8 too;
+# TorchTitan's H100s have 95 GiB of HBM2e at 2.4 TB/s ("Each H100 GPU is equipped with 96GB HBM2e
+# with 2.4 TB/sec peak memory bandwidth", its docs/performance.md; 95 GiB = 102 GB, section 3.1).
+MORE = {
+    "r40": {"cp": 16},
+    "r52": {"cp": 4, "fp8": True},
+    "r53": {"fp8": True},
+}
+MEMORY_BW = {"t24": 2400e9}
 
 # what the source reports: seconds per iteration, MFU, or Megatron-LM's TFLOP/s per GPU
 REPORTED = {
@@ -220,6 +248,11 @@ REPORTED = {
     "r47": ("mfu", 0.6423),
     "r48": ("mfu", 0.4891),
     "r49": ("mfu", 0.5193),
+    "r40": ("mfu", 0.38),
+    "r50": ("tokens", 6258),
+    "r51": ("tokens", 5645),
+    "r52": ("tokens", 1071),
+    "r53": ("tokens", 897),
 }
 
 NAMES = {
@@ -268,6 +301,11 @@ NAMES = {
     "r47": "MPT-7b FSDP benchmark on 8 A100-80GB, seq 2048",
     "r48": "MPT-70b FSDP benchmark on 128 A100-40GB, seq 2048",
     "r49": "MPT-13b FSDP benchmark on 128 A100-40GB, seq 2048",
+    "r40": "Llama 3 405B long-context stage on 16,384 H100 (TP8 CP16 PP16 DP8, seq 131072)",
+    "r50": "TorchTitan FSDP Llama 3.1 8B on 8 H100, seq 8192",
+    "r51": "TorchTitan FSDP Llama 3.1 8B on 128 H100, seq 8192",
+    "r52": "TorchTitan FSDP2 CP4 Float8 Llama 3.1 8B on 8 H100, seq 131072",
+    "r53": "TorchTitan FSDP32 TP8 Float8 Llama 3.1 70B on 256 H100, seq 8192",
 }
 
 # What section 3.3.2 of Dubey et al. states of both Llama 3 rows' layout.
@@ -464,6 +502,28 @@ EVIDENCE = {
         "(RoCE)'; yamls/pretrain/mpt-13b.yaml: row: 13b | 2048 | 128 | MFU 51.93 | HFU 69.24 | "
         "MBS 16 | GA 1 | GBS 2048 | 1972 tok/s/GPU | ckpt True"
     ),
+    "r40": (
+        "Table 4, Sec 3.3.2: Table 4: 16,384 | TP 8 | CP 16 | PP 16 | DP 8 | 131,072 | 16 | 16M "
+        "| 380 | 38%; " + LLAMA3_SECTION_3_3_2
+    ),
+    "r50": (
+        "Table 1: '1D parallelism (FSDP) on Llama 3.1 8B model, 8 GPUs. Mixed precision training. "
+        "Selective activation checkpointing. Local batch size 2, global batch size 16': FSDP | "
+        "6,258 Tok/Sec | 81.9 GiB"
+    ),
+    "r51": (
+        "Table 2: '1D parallelism (FSDP) on Llama 3.1 8B model, 128 GPUs ... Selective activation "
+        "checkpointing. Local batch size 2, global batch size 256': FSDP | 5,645 Tok/Sec | 67.0 GiB"
+    ),
+    "r52": (
+        "Table 5: 'FSDP + CP + torch.compile + Float8 on Llama 3.1 8B model, 8 GPUs ... Full "
+        "activation checkpointing. Local batch size 1': FSDP 2, CP 4 | 131,072 | 1,071 Tok/Sec"
+    ),
+    "r53": (
+        "Table 3: '2D parallelism (FSDP + TP) + torch.compile + Float8 on Llama 3.1 70B model, 256 "
+        "GPUs ... Full activation checkpointing. FSDP degree 32, TP degree 8. Local batch size 16, "
+        "global batch size 512': 2D | 897 Tok/Sec | 70.3 GiB"
+    ),
 }
 
 
@@ -478,6 +538,15 @@ LLAMA3_ASSUMED = [
     "v = 8 (derived: ENDS)",
     "sp (the paper cites Korthikanti et al. for its tensor parallelism)",
     "flash attention",
+]
+
+# What TorchTitan's tables leave to us (its rows' H100s ran at a 500 W power limit, its
+# docs/performance.md says: not priced, the planner's H100 draws what its datasheet allows)
+TORCHTITAN_ASSUMED = [
+    "selective activation checkpointing as its default 'op' policy (every second mm recomputed)",
+    "flash attention (PyTorch's scaled dot product attention)",
+    "FSDP as ZeRO-3 a transformer block a unit",
+    "the 500 W power limit not priced",
 ]
 
 ASSUMED = {
@@ -526,4 +595,12 @@ ASSUMED = {
     "r47": ["ffn = 4 hidden", "flash attention"],
     "r48": ["ffn = 4 hidden", "flash attention"],
     "r49": ["ffn = 4 hidden", "flash attention"],
+    "r40": [
+        *LLAMA3_ASSUMED,
+        "context parallelism as a ring (the paper all-gathers keys and values)",
+    ],
+    "r50": TORCHTITAN_ASSUMED,
+    "r51": TORCHTITAN_ASSUMED,
+    "r52": [*TORCHTITAN_ASSUMED[1:], "global batch 2 (FSDP 2 x local 1)"],
+    "r53": [*TORCHTITAN_ASSUMED[1:], "microbatch 16 (no pipeline: no accumulation)"],
 }

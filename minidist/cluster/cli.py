@@ -20,7 +20,7 @@ PUE: an upper bound) and the cost (cluster/report.py); how parameters and FLOPs 
 warnings where the best layout lacks a technique the run needs (a long sequence without
 context parallelism, a model that fits only with recompute: --json "warnings"); the best one's
 error band (plan.error_band: where its step would fall were the planner as wrong as on the
-middle 80% of the 42 published runs it was checked on; --json: every layout's seconds_band and
+middle 80% of the published runs it was checked on; --json: every layout's seconds_band and
 days_band); then why the best one wins, and how many layouts were refused for which reason
 (--json: "refused", each reason with its count, also when none runs; "problems": the input's,
 when it is refused before any layout).
@@ -101,7 +101,11 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", default=64)
     p.add_argument("--batch", default=512, help="sequences per step, all GPUs")
     p.add_argument("--tokens", default=300e9, help="the run's token budget")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), help="only this one")
+    p.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full", "op"),
+        help="only this one (op: TorchTitan's, every second linear layer)",
+    )
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="only this ZeRO stage")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
     p.add_argument("--no-flash", action="store_true", help="attention stores its s x s scores")
@@ -260,6 +264,7 @@ def _picked(args) -> dict:
     """The dimensions held to one value, as search.layouts() takes them."""
     names = {"tp": args.tp, "pp": args.pp, "v": args.chunks, "b": args.microbatch_size}
     names |= {"m": args.microbatches, "cp": args.cp, "ep": args.ep, "fp8": args.fp8 or None}
+    names |= {"recompute": args.recompute}
     return {k: v for k, v in names.items() if v is not None}
 
 

@@ -230,7 +230,8 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: 
     drop = 2 if shape.dropout else 0
     scores = 5 if shape.dropout else 2
     ring = x.cp > 1
-    attention = 0 if x.recompute == "selective" or flash or ring else scores * a * s / (h * t)
+    kept = x.recompute in ("selective", "op") or flash or ring
+    attention = 0 if kept else scores * a * s / (h * t)
     routed = shape.top_k * shape.capacity if shape.experts else 1
     mlp = (6 if shape.glu else 4) * shape.ffn / h * routed
     split = 2 + 4 * shape.kv_width() / h + 2 + mlp  # cut over tp: 24 for GPT-3's shape
@@ -289,7 +290,7 @@ def linear_share(shape: Shape, recompute: str) -> float:
     with Transformer Engine")."""
     per_layer = shape.step_flops_per_token(recompute) - 3 * 2 * shape.vocab * shape.hidden
     linear = 2 * shape.active_layer_params(capacity=True) * shape.layers
-    again = {"none": 0, "selective": 0, "full": linear}[recompute]
+    again = {"none": 0, "selective": 0, "full": linear, "op": linear / 2}[recompute]
     return (3 * linear + again) / per_layer
 
 
@@ -302,7 +303,7 @@ def elementwise_nbytes(shape: Shape, layout: Layout, flash: bool = True, e: int 
     where attention keeps its s x s scores (not flash), recompute_core_nbytes more. A count,
     not a fit."""
     kept = layer_activation_bytes(shape, replace(layout, recompute="none"), flash, e)
-    passes = 7 if layout.recompute == "full" else 5
+    passes = 7 if layout.recompute in ("full", "op") else 5  # op: the elementwise ops again
     again = recompute_core_nbytes(shape, layout, e) if layout.recompute == "selective" else 0
     keeps_scores = not flash and layout.cp == 1  # ring attention keeps none, as flash
     return (passes * kept + (again if keeps_scores else 0)) * stage_layers(shape, layout)

@@ -26,6 +26,7 @@ GRID_B = (1, 2, 4, 8)
 MOST_V = 4  # interleaving: every factor of a stage's layers up to this
 LONG = 16_384  # from this sequence length on, context parallelism is tried
 GRID_CP = (2, 4, 8, 16, 32)
+RECOMPUTES = ("none", "selective", "full")  # and "op" (TorchTitan's), when picked
 
 
 def layouts(
@@ -36,7 +37,7 @@ def layouts(
     mixture of experts), v every factor of a stage's layers up to MOST_V (pp > 1), b up to 8,
     every ZeRO stage, recompute, sp; ends (the embedding and the head as pipeline slots of their
     own) where pp > 1 if asked; plan.problems() filters. picked: {"tp": 3, "pp": ..., "v": ...,
-    "b": ..., "m": microbatches, "cp": ..., "ep": ..., "fp8": True}, a dimension held to one
+    "b": ..., "m": microbatches, "cp": ..., "ep": ..., "fp8": True, "recompute": ...}, held to one
     value, whatever the grid (so that plan.problems() says why a tp of 3 or a microbatch of 3
     cannot run, instead of it never being tried); pp still divides gpus / (tp cp)."""
     picked = picked or {}
@@ -88,7 +89,8 @@ def divisors(n: int, most: int) -> list[int]:
 def _options(shape: Shape, tp: int, pp: int, dp: int, batch: int, picked: dict):
     """(v, zero, b, recompute, sp) for every layout of this tp, pp and dp: v every factor of a
     stage's layers up to MOST_V (1 without a pipeline: its chunks would interleave with
-    nothing), or as picked; b as GRID_B, or as picked, or batch / (dp m) for picked m."""
+    nothing), or as picked; b as GRID_B, or as picked, or batch / (dp m) for picked m;
+    recompute RECOMPUTES, or as picked."""
     sps = (False, True) if tp > 1 else (False,)
     if "v" in picked:
         vs = [picked["v"]]
@@ -101,7 +103,8 @@ def _options(shape: Shape, tp: int, pp: int, dp: int, batch: int, picked: dict):
         bs = [batch // (dp * picked["m"])] if whole else []
     else:
         bs = GRID_B
-    return product(vs, (0, 1, 2, 3), bs, ("none", "selective", "full"), sps)
+    recomputes = [picked["recompute"]] if "recompute" in picked else RECOMPUTES
+    return product(vs, (0, 1, 2, 3), bs, recomputes, sps)
 
 
 def search(

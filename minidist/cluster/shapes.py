@@ -9,7 +9,10 @@ BLOOM and MPT do; Llama and GPT-NeoX-20B untie it). Biases and norms (< 0.1%) ar
 FLOPs per token, three conventions:
     executed   what the GPUs run: 3 forwards (forward, and a backward of twice its work), plus
                what recompute runs again: full, the layers' forward; selective, the attention
-               core's matmuls, 4 s h a layer (step_flops_per_token: plan.step prices it)
+               core's matmuls, 4 s h a layer; op, TorchTitan's selective policy, every second
+               linear layer's forward, the attention kept (its activation_checkpoint.py: "saves
+               output of all compute ops, except every second mm") (step_flops_per_token:
+               plan.step prices it)
     model      3 forwards, no recompute, whatever the layout: MFU's numerator (Chowdhery et
                al., PaLM, 2022, appendix B)
     hardware   the model's plus recompute as the papers count it: full, the layers' forward
@@ -104,9 +107,10 @@ class Shape:
         """Executed: forward and backward (3 forwards, experts at their capacity), plus what
         recompute runs again: full, the layers' forward (not the logits: Narayanan et al.'s
         96 B s l h^2 (1 + s/6h + V/16lh)); selective, the attention core's matmuls, 4 s h a
-        layer."""
+        layer; op (TorchTitan's selective policy), every second linear layer's forward."""
         again = {"none": 0, "full": self.layers_flops_per_token(capacity=True)}
         again["selective"] = 4 * self.seq * self.hidden * self.layers
+        again["op"] = self.active_layer_params(capacity=True) * self.layers  # half of 2 x
         return 3 * self.forward_flops_per_token(capacity=True) + again[recompute]
 
     def model_flops_per_token(self) -> float:
@@ -120,6 +124,7 @@ class Shape:
         HFU, 1 + s/3h where model FLOPs have 1 + s/6h)."""
         again = {"none": 0, "full": self.layers_flops_per_token()}
         again["selective"] = 12 * self.seq * self.hidden * self.layers
+        again["op"] = self.active_layer_params() * self.layers  # as executed: no paper counts it
         return self.model_flops_per_token() + again[recompute]
 
 
