@@ -457,7 +457,9 @@ def sent_nbytes(shape: Shape, layout: Layout, batch: int, e: int = 2, psi: float
     pp   m v activations on and m (v-1) gradients back (chunk 0 of the first stage gets none),
          each 1/tp of the activation with scatter (then the m (2v - 1) it receives are each
          all-gathered on the tp links: (tp-1)/tp of an activation sent)
-    dp   step()'s rounds of all-reduces of e psi bytes"""
+    dp   step()'s rounds of all-reduces of e psi bytes
+    (Context and expert parallelism's traffic is step()'s cp_seconds and ep_seconds, not
+    counted here: minidist's main job, which these bytes are checked against, runs neither.)"""
     x = layout
     m = layout.microbatches(batch)
     act = e * shape.seq * layout.b * shape.hidden
