@@ -166,3 +166,43 @@ def test_bench_dp_times_torch_ddp_on_the_same_group(capfd):
     assert main([*argv, "--backend", "threads", "--steps", "1", "--json"]) == 0
     row = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert row["torch_ddp"] is None and row["ddp_ratio"] is None
+
+
+@pytest.mark.processes
+def test_bench_zero_times_fsdp2_on_the_same_group(capfd):
+    """bench zero's FSDP2 column: fully_shard on the gloo group ZeRO-3 uses, its gradients equal
+    to ZeRO-3's before both are timed in interleaved rounds; the ratio from those columns."""
+    argv = ["bench", "zero", "-n", "2", "--backend", "gloo", "--layers", "2", "--width", "8"]
+    assert main([*argv, "--steps", "1", "--precision", "fp32", "--json"]) == 0
+    (result,) = report(capfd.readouterr().out)["results"]
+    row = result["fsdp2"]
+    assert row["zero3_ms"] > 0 and row["fsdp2_ms"] > 0 and row["grad_difference"] <= 1e-5, row
+    assert row["ratio"] == pytest.approx(row["zero3_ms"] / row["fsdp2_ms"])
+
+
+@pytest.mark.processes
+def test_bench_tp_times_torch_tensor_parallelism_on_the_same_group(capfd):
+    """bench tp's torch column: the MLP under torch.distributed.tensor.parallel on the gloo
+    group ParallelMLP uses, outputs and gradients equal before both are timed in interleaved
+    rounds; the ratio from those columns."""
+    argv = ["bench", "tp", "-n", "2", "--backend", "gloo", "--batch", "1", "--seq", "4"]
+    assert main([*argv, "--d-model", "8", "--heads", "2", "--steps", "1", "--json"]) == 0
+    (row,) = report(capfd.readouterr().out)["mlp"]
+    assert row["tp"] == 2 and row["ours_ms"] > 0 and row["torch_ms"] > 0, row
+    assert row["difference"] <= 1e-5 and row["ratio"] == pytest.approx(
+        row["ours_ms"] / row["torch_ms"]
+    )
+
+
+@pytest.mark.threads
+def test_bench_zero_and_tp_have_no_torch_column_on_threads(capsys):
+    """Threads have no torch process group: no FSDP2 or torch tensor-parallel column, no ratio;
+    minidist's own MLP is still timed."""
+    from minidist.testing import run_threads
+    from minidist.zero.bench import beside_fsdp2
+
+    argv = ["bench", "tp", "-n", "2", "--backend", "threads", "--batch", "1", "--seq", "4"]
+    assert main([*argv, "--d-model", "8", "--heads", "2", "--steps", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["mlp"]
+    assert row["ours_ms"] > 0 and row["torch_ms"] is None and row["ratio"] is None, row
+    assert run_threads(beside_fsdp2, 2, None) == [None, None]  # before any model is built

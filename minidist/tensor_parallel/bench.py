@@ -19,6 +19,19 @@ wait. Per row:
     act          bytes saved for backward (saved_activation_nbytes), beside the formula
                  (activation_elements * 4), and as a fraction of tp = 1
 
+Then, for each tp > 1, the MLP alone beside PyTorch's own tensor parallelism on the same group
+(gloo: a torch.distributed process group; '-' on mpi and threads): ParallelMLP against an
+nn.Linear pair with the same full weights under torch.distributed.tensor.parallel
+(parallelize_module: fc1 ColwiseParallel, fc2 RowwiseParallel, on DeviceMesh.from_group), x
+(B, T, D) replicated and requiring its gradient, so each moves one all-reduce of B*T*D forward
+and one backward. Outputs, dL/dx and each rank's slice of every gradient are compared first
+(refused above 1e-5 relative), then forward + backward of each per round
+(bench.time_interleaved): the ratio ours / torch. What differs is the cost around the same two
+all-reduces: each library collective of minidist's comms first agrees with the other ranks on
+its signature (comm/agreement.py: one more small gloo all-gather, a synchronisation of its
+own); DTensor instead pays Python dispatch on every operation of the layer (sharding
+propagation, redistribute), mostly in backward.
+
 Tensor parallelism talks inside every layer, twice per direction, in the critical path: on this
 CPU machine the ranks share two cores and memory bandwidth, so expect little or no speedup; the
 bytes and the memory are exact, the times are noisy (a shared machine).
@@ -30,14 +43,18 @@ import argparse
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from minidist.bench import Bench, rank_main, time_it
+from minidist.bench import Bench, device_of, max_over_ranks, rank_main, time_interleaved, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.tensor_parallel.blocks import (
+    ParallelMLP,
     ParallelTransformerBlock,
     activation_elements,
     saved_activation_nbytes,
 )
+from minidist.transformer import master_linear
 
 WIRE = {
     "all_reduce": lambda n, p: 2 * (p - 1) / p * n,
@@ -95,10 +112,106 @@ def measure(tp_comm, args, sp: bool) -> dict:
     }
 
 
+class MLP(nn.Module):
+    """fc2(gelu(fc1(x))) with ParallelMLP's full weights (master_linear, seeds 0 and 1): what
+    torch's tensor parallelism splits."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        for seed, layer in enumerate((self.fc1, self.fc2)):
+            w, b = master_linear(layer.in_features, layer.out_features, seed)
+            with torch.no_grad():
+                layer.weight.copy_(w)
+                layer.bias.copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))  # (B, T, d_ff/p) in between, split
+
+
+def torch_mlp(tp_comm, d_model: int, d_ff: int) -> nn.Module | None:
+    """MLP under torch.distributed.tensor.parallel on tp_comm's process group: fc1
+    ColwiseParallel, fc2 RowwiseParallel on a DeviceMesh of the group (x replicated in, y
+    replicated out: one all-reduce forward, one backward, as ParallelMLP); None on a backend
+    without a torch process group (threads, mpi)."""
+    group = getattr(tp_comm, "group", False)
+    if group is False:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device_of(tp_comm).type)
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    return parallelize_module(MLP(d_model, d_ff), mesh, plan)
+
+
+def beside_torch(tp_comm, args) -> dict:
+    """ParallelMLP and torch's tensor-parallel MLP on tp_comm, the same weights and batch:
+    outputs and gradients compared, then forward + backward of each per round
+    (time_interleaved). The torch column and the ratio None where there is no torch group."""
+    d_ff = 4 * args.d_model
+    ours = ParallelMLP(args.d_model, d_ff, tp_comm)
+    theirs = torch_mlp(tp_comm, args.d_model, d_ff)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.seq, args.d_model, generator=gen)  # (B, T, D), every rank
+    x_ours = x.clone().requires_grad_()  # dL/dx: f's all-reduce in backward, as in the block
+    x_theirs = x.clone().requires_grad_()
+    difference = None
+    if theirs is not None:
+        difference = max_over_ranks(tp_comm, _difference(ours, theirs, x_ours, x_theirs))
+        if difference > 1e-5:
+            raise RuntimeError(f"ParallelMLP and torch's differ by {difference:.2e} (relative)")
+    steps = {
+        "ours": _step(ours, x_ours),
+        "torch": None if theirs is None else _step(theirs, x_theirs),
+    }
+    seconds = time_interleaved(tp_comm, steps, args.steps)
+    torch_ms = None if theirs is None else seconds["torch"] * 1e3
+    return {
+        "tp": tp_comm.world_size,
+        "ours_ms": seconds["ours"] * 1e3,
+        "torch_ms": torch_ms,
+        "ratio": None if theirs is None else seconds["ours"] / seconds["torch"],
+        "difference": difference,
+    }
+
+
+def _step(mlp: nn.Module, x: torch.Tensor):
+    def step():
+        mlp(x).sum().backward()
+        x.grad = None
+        for q in mlp.parameters():
+            q.grad = None
+
+    return step
+
+
+def _difference(ours, theirs, x_ours, x_theirs) -> float:
+    """The largest relative difference of the outputs, dL/dx and this rank's slice of every
+    weight and bias gradient (torch's: its DTensors' local shards), after one backward."""
+    pairs = [(ours(x_ours), theirs(x_theirs))]
+    pairs[0][0].sum().backward()
+    pairs[0][1].sum().backward()
+    pairs.append((x_ours.grad, x_theirs.grad))
+    for name, q in theirs.named_parameters():
+        pairs.append((ours.get_parameter(name).grad, q.grad.to_local()))
+    x_ours.grad = x_theirs.grad = None
+    for q in [*ours.parameters(), *theirs.parameters()]:
+        q.grad = None
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in pairs)
+
+
 def run(comm, args) -> dict:
     """Every tp size that fits the world and divides heads and T: the rows in order, as --json
     prints them (rank 0's has them all: it is in every group)."""
     rows = []
+    mlps = []
     sizes = [k for k in (1, 2, 4, 8, 16) if k <= comm.world_size]
     sizes = [k for k in sizes if args.heads % k == 0 and args.seq % k == 0]
     for k in sizes:
@@ -107,7 +220,11 @@ def run(comm, args) -> dict:
             if comm.rank < k:
                 rows.append(measure(sub, args, sp))
             comm.barrier()  # the others wait: a shared machine times best quiet
-    return {"bench": "tp", "backend": comm.backend, "rows": rows}
+        if k > 1:
+            if comm.rank < k:
+                mlps.append(beside_torch(sub, args))
+            comm.barrier()
+    return {"bench": "tp", "backend": comm.backend, "rows": rows, "mlp": mlps}
 
 
 def report(result: dict, args) -> str:
@@ -128,6 +245,18 @@ def report(result: dict, args) -> str:
             f"{_mib(row['act_bytes'])} {_mib(row['act_formula'])} "
             f"{row['act_bytes'] / base['act_bytes']:8.3f}"
         )
+    if result["mlp"]:
+        lines += [
+            "MLP alone (fc1 column-, fc2 row-parallel), forward + backward in interleaved rounds, "
+            "beside torch.distributed.tensor.parallel",
+            f"{'tp':>3} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>10} {'max diff':>9}",
+        ]
+    for row in result["mlp"]:
+        if row["torch_ms"] is None:
+            torch_cells = f"{'-':>9} {'-':>10} {'-':>9}"
+        else:
+            torch_cells = f"{row['torch_ms']:9.2f} {row['ratio']:10.2f} {row['difference']:9.1e}"
+        lines.append(f"{row['tp']:>3} {row['ours_ms']:9.2f} {torch_cells}")
     lines.append("times: one run on a shared machine (noisy); bytes and memory: exact")
     return "\n".join(lines)
 

@@ -25,19 +25,35 @@ gradient shards; reduce-scatter in float32, all-gathers in bfloat16). For each w
   bf16 rows: and one float32 all-reduce of the overflow flag, a library call, not counted);
 - step time: the median over --steps timed steps, the slowest rank's.
 
+Then, on gloo (a torch.distributed process group; '-' on mpi and threads), ZeRO-3 beside
+PyTorch's FSDP2, the same algorithm on the same group: the same model (one seed on every rank)
+and batch, float32, Adam; ZeRO-3 over the library collectives (gloo's, which FSDP2 calls too),
+FSDP2 as fully_shard on every Linear and then the root on DeviceMesh.from_group (ZeRO-3's
+units), resharded after forward, each layer prefetching the next in forward and the previous
+in backward (ZeRO-3's prefetch). Their gradients after one backward are compared first
+(refused above 1e-5 relative; equal to the bit at p = 2), then one step of each per round
+(bench.time_interleaved): the ratio ZeRO-3 / FSDP2. What differs is when the bytes move. On
+the CPU FSDP2 issues every all-gather and reduce-scatter blocking (async_op=False: on GPUs its
+overlap comes from CUDA streams, which the CPU lacks), so its prefetch starts the next gather
+early and then waits for it, and no communication hides behind compute; ZeRO-3's run on
+gloo's thread while a layer computes. ZeRO-3 pays instead one agreement (a small all-gather,
+comm/agreement.py) before each collective, about 25 a step here, which FSDP2 does not.
+
 The machine is shared and noisy: compare ratios taken within one run, not across runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
+import itertools
 import sys
 
 import torch
 from torch import nn
 
-from minidist.bench import Bench, rank_main, time_it
+from minidist.bench import Bench, device_of, max_over_ranks, rank_main, time_interleaved, time_it
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.mixed_precision.amp import PRECISIONS
@@ -194,8 +210,20 @@ def format_table(result: dict) -> str:
         "# the paper's mixed precision (2 + 2 + 12 bytes per element), MB per rank, stages "
         "0..3: " + " / ".join(f"{m:.1f}" for m in paper)
     )
+    lines.append(fsdp2_line(result.get("fsdp2"), result["backend"]))
     lines.append("# a shared, noisy machine: compare ratios within one run, not across runs")
     return "\n".join(lines)
+
+
+def fsdp2_line(row: dict | None, backend: str) -> str:
+    """The FSDP2 comparison, one line: both step times and their ratio, or why there is none."""
+    if row is None:
+        return f"# FSDP2: - ({backend} has no torch.distributed process group)"
+    return (
+        f"# step ms, interleaved rounds: ZeRO-3 (library) {row['zero3_ms']:.1f}, FSDP2 "
+        f"fully_shard {row['fsdp2_ms']:.1f}: ZeRO-3 / FSDP2 {row['ratio']:.2f} (gradients "
+        f"differ by {row['grad_difference']:.1e}, relative)"
+    )
 
 
 def flags(p: argparse.ArgumentParser) -> None:
@@ -231,7 +259,93 @@ def measure(comm, cfg: argparse.Namespace) -> dict:
             row["peak_rss"] = None
     keys = ("layers", "width", "batch", "steps", "algorithm", "precision")
     result = {"backend": comm.backend, "world_size": comm.world_size, "rows": rows}
+    result["fsdp2"] = beside_fsdp2(comm, cfg)  # after the rows: their peaks are their own
     return result | {"numel": cfg.layers * cfg.width**2, "config": {k: vars(cfg)[k] for k in keys}}
+
+
+def torch_group(comm):
+    """comm's torch.distributed process group (gloo, nccl; the world's, None, as
+    dist.group.WORLD), or None on a backend without one (threads, mpi)."""
+    group = getattr(comm, "group", False)
+    if group is False:
+        return None
+    import torch.distributed as dist
+
+    return dist.group.WORLD if group is None else group
+
+
+def fsdp2(model: nn.Sequential, group, device_type: str) -> nn.Sequential:
+    """model under FSDP2 on group: fully_shard on every Linear, then on the root (ZeRO-3's
+    units), resharded after forward (ZeRO-3), each layer prefetching the next one's all-gather
+    in forward and the previous one's in backward (ZeRO-3's prefetch). Every rank must hold
+    the same values already: fully_shard keeps each rank's own."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device_type)
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for before, after in itertools.pairwise(layers):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    return model
+
+
+def beside_fsdp2(comm, cfg: argparse.Namespace) -> dict | None:
+    """ZeRO-3 (library collectives) and FSDP2 on comm's process group, float32, Adam, the same
+    model and batch: their gradients after one backward compared, then one step of each per
+    round (time_interleaved); None on a backend without a torch process group."""
+    group = torch_group(comm)
+    if group is None:
+        return None
+    torch.manual_seed(0)  # the same model on every rank: nothing to broadcast
+    model = make_model(cfg.layers, cfg.width)
+    ours = zero.wrap(
+        copy.deepcopy(model), comm, torch.optim.Adam, 3, {"lr": 1e-4}, algorithm="library"
+    )
+    theirs = fsdp2(copy.deepcopy(model), group, device_of(comm).type)
+    optimizer = torch.optim.Adam(theirs.parameters(), lr=1e-4)
+    x = torch.randn(cfg.batch, cfg.width, generator=torch.Generator().manual_seed(comm.rank))
+    ours(x).square().mean().backward()  # x: (B, width), this rank's batch
+    ours.finish_gradient_sync()
+    theirs(x).square().mean().backward()
+    difference = max_over_ranks(comm, _gradient_difference(ours, theirs))
+    if difference > 1e-5:
+        raise RuntimeError(f"ZeRO-3's and FSDP2's gradients differ by {difference:.2e} (relative)")
+    ours.zero_grad()
+    optimizer.zero_grad()
+
+    def ours_step():
+        ours(x).square().mean().backward()
+        ours.step()
+        ours.zero_grad()
+
+    def theirs_step():
+        theirs(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    seconds = time_interleaved(comm, {"zero3": ours_step, "fsdp2": theirs_step}, cfg.steps)
+    return {
+        "zero3_ms": seconds["zero3"] * 1e3,
+        "fsdp2_ms": seconds["fsdp2"] * 1e3,
+        "ratio": seconds["zero3"] / seconds["fsdp2"],
+        "grad_difference": difference,
+    }
+
+
+def _gradient_difference(ours, theirs) -> float:
+    """The largest |ZeRO-3's - FSDP2's| over this rank's gradient pieces, relative to the
+    parameter's largest |gradient|. FSDP2's gradients are all-gathered whole (every rank, the
+    same order)."""
+    full = {n: q.grad.full_tensor().reshape(-1) for n, q in theirs.named_parameters()}
+    worst = 0.0
+    for name, lo, hi, t in ours.shard_pieces():
+        scale = full[name].abs().max().clamp_min(torch.finfo(t.dtype).tiny)
+        worst = max(worst, ((t.grad - full[name][lo:hi]).abs().max() / scale).item())
+    return worst
 
 
 def _nbytes(tensors) -> int:
