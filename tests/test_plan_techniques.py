@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from minidist.cluster import custom, hardware, network, plan
+from minidist.cluster import attention, custom, hardware, network, plan
 from minidist.cluster import search as plan_search
 
 try:
@@ -136,15 +136,48 @@ def test_fp8_runs_the_linear_layers_at_the_fp8_peak_where_the_gpu_has_one():
     ratio = H100.gpu.peak_flops / H100.gpu.fp8_flops  # 989 / 1979: half the time a FLOP
     x = plan.Layout(dp=64, pp=1, tp=8, zero=1, b=1, sp=True)
     eff = plan.calibrated(H100)
-    bf16 = plan.step(LLAMA70, x, H100, 512, eff)
-    fp8 = plan.step(LLAMA70, replace(x, fp8=True), H100, 512, eff)
+    # unfused attention (flash=False): every matmul FLOP at the matmul rate, as the rule says;
+    # a fused kernel's measured time stays bf16 whatever fp8 says (test below)
+    bf16 = plan.step(LLAMA70, x, H100, 512, eff, flash=False)
+    fp8 = plan.step(LLAMA70, replace(x, fp8=True), H100, 512, eff, flash=False)
     linear = plan.linear_share(LLAMA70, "none")
     assert 0.8 < linear < 1  # attention's scores and values and the logits stay in bf16
-    memory = plan.elementwise_nbytes(LLAMA70, x) / H100.gpu.memory_bw * x.microbatches(512)
+    memory = plan.elementwise_nbytes(LLAMA70, x, flash=False) / H100.gpu.memory_bw
+    memory *= x.microbatches(512)
     matmuls = bf16["compute"] - memory
     assert fp8["compute"] - memory == pytest.approx(matmuls * (1 - linear * (1 - ratio)), rel=1e-9)
     refused = plan.evaluate(LLAMA70, replace(x, fp8=True), A100, 512, 512, plan.calibrated(A100))
     assert refused.why_not == ("fp8: the A100-SXM4-80GB has no FP8 tensor cores",)
+
+
+def test_a_fused_attention_kernel_takes_its_measured_time_not_its_flops_at_the_matmul_rate():
+    # FlashAttention-2 on an H100, head dim 128 (Shah et al., 2024, figures 5(d) and 6(b)): at
+    # 8k, forward 333 TFLOP/s on the causal half of 4 s h, backward 318 on 2.5 times that
+    assert attention.rates("H100", 128, 8192) == (333e12, 318e12)
+    assert attention.rates("H100", 128, 131072) == (335e12, 322e12)  # flat past 16k
+    assert attention.rates("H100", 128, 3000) == (298e12, 291e12)  # the nearest shorter
+    assert attention.rates("A100", 128, 8192) is None  # not measured: the matmul rate
+    s, h = 8192, LLAMA70.hidden  # Llama 2 70B: 64 heads of 128
+    half = 2 * s * h  # a token's causal forward FLOPs in one layer
+    want = half / 333e12 + 2.5 * half / 318e12
+    assert attention.seconds_per_token("H100", 128, s, h, "none") == pytest.approx(want)
+    again = want + half / 333e12  # full recompute runs the forward again
+    assert attention.seconds_per_token("H100", 128, s, h, "full") == pytest.approx(again)
+    # in a step: the kernel's time replaces 3 x 4 s h at the bf16 matmul rate, layer by layer
+    shape = replace(LLAMA70, seq=s)
+    x = plan.Layout(dp=64, pp=1, tp=8, zero=1, b=1, sp=True)
+    eff = plan.calibrated(H100)
+    fused = plan.step(shape, x, H100, 512, eff)["compute"]
+    plain = plan.step(shape, x, H100, 512, eff, flash=False)["compute"]
+    plain -= plan.elementwise_nbytes(shape, x, flash=False) / H100.gpu.memory_bw * 8
+    fused -= plan.elementwise_nbytes(shape, x) / H100.gpu.memory_bw * 8
+    rate = H100.gpu.peak_flops * eff.compute * plan.matmul_share(shape, x, H100.gpu)
+    tokens = 8 * s / 8  # 8 microbatches of s tokens, over tp 8
+    change = shape.layers * tokens * (want - 3 * 4 * s * h / rate)
+    assert fused - plain == pytest.approx(change, rel=1e-9)
+    # float32 values or no flash: no fused kernel
+    assert plan.attention_seconds_per_token(shape, x, H100, False, rate) == 0.0
+    assert plan.attention_seconds_per_token(shape, x, A100, True, rate) == 0.0
 
 
 def test_the_search_tries_every_interleaving_that_divides_a_stage():

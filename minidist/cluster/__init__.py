@@ -5,6 +5,7 @@ hardware.py   GPUs, links and clusters with their sources; the time of a message
 network.py    the network as NCCL drives it: a ring on every card, or a tree, by size
 simulate.py   minidist's own code run on a simulated cluster, in simulated time
 shapes.py     a model's shape, its parameters and FLOPs, each by a named convention
+attention.py  fused attention kernels as measured: their FLOP/s by GPU and sequence length
 plan.py       one layout priced: time, memory, bytes per dimension
 evidence.py   the efficiencies fitted on published runs, the errors on the others, the band
 profiles.py   the frameworks' execution: what data-parallel traffic hides behind compute

@@ -45,7 +45,7 @@ class Efficiency:
 # What hides behind compute is not fitted either: each run's framework says (cluster/profiles.py).
 CALIBRATED = {
     "A100": Efficiency(compute=0.6796, network=0.91, sharded=0.0786),
-    "H100": Efficiency(compute=0.5662, network=0.96, sharded=0.0786),
+    "H100": Efficiency(compute=0.5653, network=0.96, sharded=0.0786),
 }
 
 
@@ -100,21 +100,21 @@ VALIDATION_ERRORS = {
     "r34": -0.211,
     "r36": -0.105,
     "r37": -0.271,
-    "r39": 0.005,
-    "r40": -0.148,
-    "r41": 0.067,
-    "r42": 0.096,
+    "r39": 0.006,
+    "r40": -0.155,
+    "r41": 0.071,
+    "r42": 0.1,
     "r43": 1.881,
-    "r44": -0.08,
+    "r44": -0.074,
     "r45": 0.078,
     "r46": 0.143,
     "r47": 0.023,
     "r48": 0.139,
     "r49": 0.077,
-    "r50": -0.166,
+    "r50": -0.167,
     "r51": -0.245,
-    "r52": -0.387,
-    "r53": -0.047,
+    "r52": -0.42,
+    "r53": -0.052,
 }
 
 

@@ -24,7 +24,10 @@ Time per step (the slowest stage):
                   leave of the rate); the executed FLOPs of cluster/shapes.py (a token's
                   forward 2 Psi_matmul + 4 s h L + 2 V h, training 3x that, + what recompute
                   runs again), split over tp, the layers over pp, the logits on the last stage
-                  (Dubey et al., 2024, section 3.3.2); + the elementwise ops' bytes / memory
+                  (Dubey et al., 2024, section 3.3.2); with flash, a fused attention kernel's
+                  measured time instead of its FLOPs' (cluster/attention.py, where a GPU's
+                  kernel is measured: the causal half at the kernel's rate by sequence
+                  length); + the elementwise ops' bytes / memory
                   bandwidth: 5 passes over the activations each layer keeps (7 with full
                   recompute; selective adds its attention core's s x s bytes)
     pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
@@ -67,7 +70,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from minidist.cluster import network, profiles
+from minidist.cluster import attention, network, profiles
 
 # plan.X for callers, the planner's one face: the model's shape (shapes.py), and what the
 # published runs taught it (evidence.py: the fitted efficiencies, its errors and their band)
@@ -246,12 +249,23 @@ def stage_flops_per_token(shape: Shape, layout: Layout) -> tuple[float, float]:
     (Dubey et al., 2024, section 3.3.2; Megatron-LM puts the head there too)."""
     head = 3 * 2 * shape.vocab * shape.hidden
     per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
+    slowest, heads, fullest = stage_layer_counts(shape, layout)
+    return slowest * per_layer + heads * head, fullest * per_layer
+
+
+def stage_layer_counts(shape: Shape, layout: Layout) -> tuple[int, int, int]:
+    """(layers of the slowest stage, 1 if it runs the head else 0, layers of the fullest
+    without the head): the fullest stage, or the last if its layers and the head outweigh it."""
     x, fullest = layout, stage_layers(shape, layout)
     if x.pp == 1:
-        return (fullest * per_layer + head,) * 2
+        return fullest, 1, fullest
+    head = 3 * 2 * shape.vocab * shape.hidden
+    per_layer = (shape.step_flops_per_token(layout.recompute) - head) / shape.layers
     slots, chunk = shape.layers + 2 * x.ends, -(-(shape.layers + 2 * x.ends) // (x.pp * x.v))
     last = (x.v - 1) * chunk + max(0, slots - (x.pp * x.v - 1) * chunk) - x.ends
-    return max(fullest * per_layer, last * per_layer + head), fullest * per_layer
+    if last * per_layer + head > fullest * per_layer:
+        return last, 1, fullest
+    return fullest, 0, fullest
 
 
 def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
@@ -358,9 +372,14 @@ def step(
     linear = linear_share(shape, x.recompute) if x.fp8 else 0.0
     per_flop = linear / (cluster.gpu.fp8_flops * share or bf16) + (1 - linear) / bf16
     elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
-    slowest, fullest = (
-        f * tokens / x.tp * per_flop + elementwise for f in stage_flops_per_token(shape, x)
-    )
+    # a fused attention kernel's measured time replaces its FLOPs at the matmul rate, layer by
+    # layer (cluster/attention.py); 0 where none is measured or attention is not fused
+    fused = attention_seconds_per_token(shape, x, cluster, flash and e == 2, bf16)
+    slowest_layers, _, fullest_layers = stage_layer_counts(shape, x)
+    slowest_flops, fullest_flops = stage_flops_per_token(shape, x)
+    rank_tokens = tokens / x.tp
+    slowest = (slowest_flops * per_flop + slowest_layers * fused) * rank_tokens + elementwise
+    fullest = (fullest_flops * per_flop + fullest_layers * fused) * rank_tokens + elementwise
     g = cluster.gpus_per_node
     act = e * tokens * h  # bytes of one activation tensor on a rank
     # minidist's rank order (mesh.py: arange(world).view(dp, pp, cp, tp), ep carved out of
@@ -398,6 +417,26 @@ def step(
         "dp": dp,
         "optimizer": optimizer,
     }
+
+
+def attention_seconds_per_token(
+    shape: Shape, x: Layout, cluster: Cluster, flash: bool, rate: float
+) -> float:
+    """What a fused attention kernel changes in one layer's time per token (all tp ranks): its
+    measured seconds (cluster/attention.py, at the kernel's length s/cp) less the attention's
+    FLOPs as shapes.py counts them (3 x 4 s h, + 4 s h recomputed by full or selective) at
+    the bf16 matmul rate (FLOP/s; FP8 never runs them). 0 without flash (step() passes none
+    for float32 values too: the kernels run bf16 and fp16), or where no rate is measured."""
+    if not flash:
+        return 0.0
+    gen = generation(cluster)
+    head_dim = shape.hidden // shape.heads
+    s, h = shape.seq, shape.hidden
+    kernel = attention.seconds_per_token(gen, head_dim, s, h, x.recompute, s // x.cp)
+    if kernel is None:
+        return 0.0
+    again = 1 if x.recompute in ("full", "selective") else 0
+    return kernel - (3 + again) * 4 * s * h / rate
 
 
 def cp_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int, rate: float) -> float:
