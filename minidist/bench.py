@@ -234,3 +234,15 @@ def gather_over_ranks(comm, value: float) -> list[float]:
     out = torch.empty(comm.world_size, dtype=torch.float64)
     comm.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
     return out.tolist()
+
+
+def torch_group(comm):
+    """comm's torch.distributed process group (gloo, nccl; the world's, None, as
+    dist.group.WORLD), or None on a backend without one (threads, mpi): where a bench times
+    PyTorch's own implementation beside minidist's."""
+    group = getattr(comm, "group", False)
+    if group is False:
+        return None
+    import torch.distributed as dist
+
+    return dist.group.WORLD if group is None else group

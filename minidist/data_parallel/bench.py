@@ -30,7 +30,14 @@ import sys
 import torch
 from torch import nn
 
-from minidist.bench import Bench, rank_main, time_columns, time_interleaved, time_it
+from minidist.bench import (
+    Bench,
+    rank_main,
+    time_columns,
+    time_interleaved,
+    time_it,
+    torch_group,
+)
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel.wrappers import DataParallelBucketed, DataParallelNaive
 
@@ -95,8 +102,8 @@ def measure(comm, args) -> dict:
 def torch_ddp(comm, args) -> nn.Module | None:
     """PyTorch's DistributedDataParallel over comm's own process group (gloo, nccl), with the
     bucket size of the bucketed rung; None on a backend without one (threads, mpi)."""
-    group = getattr(comm, "group", False)
-    if group is False:
+    group = torch_group(comm)
+    if group is None:
         return None
     from torch.nn.parallel import DistributedDataParallel
 

@@ -46,7 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.bench import Bench, device_of, max_over_ranks, rank_main, time_interleaved, time_it
+from minidist.bench import (
+    Bench,
+    device_of,
+    max_over_ranks,
+    rank_main,
+    time_interleaved,
+    time_it,
+    torch_group,
+)
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.tensor_parallel.blocks import (
     ParallelMLP,
@@ -135,10 +143,9 @@ def torch_mlp(tp_comm, d_model: int, d_ff: int) -> nn.Module | None:
     ColwiseParallel, fc2 RowwiseParallel on a DeviceMesh of the group (x replicated in, y
     replicated out: one all-reduce forward, one backward, as ParallelMLP); None on a backend
     without a torch process group (threads, mpi)."""
-    group = getattr(tp_comm, "group", False)
-    if group is False:
+    group = torch_group(tp_comm)
+    if group is None:
         return None
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -146,7 +153,7 @@ def torch_mlp(tp_comm, d_model: int, d_ff: int) -> nn.Module | None:
         parallelize_module,
     )
 
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device_of(tp_comm).type)
+    mesh = DeviceMesh.from_group(group, device_of(tp_comm).type)
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     return parallelize_module(MLP(d_model, d_ff), mesh, plan)
 

@@ -53,7 +53,15 @@ import sys
 import torch
 from torch import nn
 
-from minidist.bench import Bench, device_of, max_over_ranks, rank_main, time_interleaved, time_it
+from minidist.bench import (
+    Bench,
+    device_of,
+    max_over_ranks,
+    rank_main,
+    time_interleaved,
+    time_it,
+    torch_group,
+)
 from minidist.comm.wrappers import Counter, ObservedComm
 from minidist.data_parallel.wrappers import DataParallelBucketed
 from minidist.mixed_precision.amp import PRECISIONS
@@ -261,17 +269,6 @@ def measure(comm, cfg: argparse.Namespace) -> dict:
     result = {"backend": comm.backend, "world_size": comm.world_size, "rows": rows}
     result["fsdp2"] = beside_fsdp2(comm, cfg)  # after the rows: their peaks are their own
     return result | {"numel": cfg.layers * cfg.width**2, "config": {k: vars(cfg)[k] for k in keys}}
-
-
-def torch_group(comm):
-    """comm's torch.distributed process group (gloo, nccl; the world's, None, as
-    dist.group.WORLD), or None on a backend without one (threads, mpi)."""
-    group = getattr(comm, "group", False)
-    if group is False:
-        return None
-    import torch.distributed as dist
-
-    return dist.group.WORLD if group is None else group
 
 
 def fsdp2(model: nn.Sequential, group, device_type: str) -> nn.Sequential:
