@@ -58,35 +58,48 @@ def watch(comm) -> None:
 
 
 def check_at_exit() -> None:
-    """The exit check: report what no receive took, and end with exit code 1 if anything."""
+    """The exit check: report what no receive took (check), and end with exit code 1 if
+    anything was found, unless MINIDIST_UNRECEIVED=allow."""
+    backend = check()
+    if backend is None or os.environ.get("MINIDIST_UNRECEIVED") == "allow":
+        return
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        MPI.Finalize()  # the others wait for this rank in theirs
+    os._exit(1)  # the exit code; nothing left to run that needs the comms
+
+
+def check() -> str | None:
+    """Find what no receive took on the comms alive, as at the end of a program, and report it:
+    printed, and left in `minidist run`'s folder unless MINIDIST_UNRECEIVED=allow. The backend's
+    name if anything was found, else None. What is reported is forgotten (an mpi message taken,
+    a gloo send or a message to self dropped): no later check names it again. Collective on mpi
+    (each rank hears from every other). Run at exit, and by a pool of ranks (launch/pool.py)
+    after each of its jobs, each of which ends as a program does."""
     gc.collect()  # comms the program dropped (and their messages) go first
     comms = list(_comms)
     if not comms:
-        return
+        return None
     backend = comms[0].backend
     found = _mpi_leftovers(comms) if backend == "mpi" else _gloo_leftovers(comms)
     found += [line for comm in comms for line in _self_leftovers(comm)]
     if not found:
-        return
+        return None
     rank = _world_rank(comms[0], comms[0].rank)
     text = f"{len(found)} message(s) sent but never received, found at exit ({backend}):\n"
     text += "".join(f"  {line}\n" for line in found)
     sys.stdout.flush()
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
     sys.stderr.flush()
-    if os.environ.get("MINIDIST_UNRECEIVED") == "allow":
-        return
     folder = os.environ.get("MINIDIST_FAILURE_DIR")
-    if folder:  # minidist run: its launcher reads this when the job has ended
+    if folder and os.environ.get("MINIDIST_UNRECEIVED") != "allow":
+        # minidist run: its launcher reads this when the job has ended
         path = os.path.join(folder, f"rank{rank}.unreceived")
         with open(path + ".tmp", "w") as f:
             f.write(text)
         os.replace(path + ".tmp", path)
-    if backend == "mpi":
-        from mpi4py import MPI
-
-        MPI.Finalize()  # the others wait for this rank in theirs
-    os._exit(1)  # the exit code; nothing left to run that needs the comms
+    return backend
 
 
 def _world_rank(comm, rank: int) -> int:
@@ -156,7 +169,9 @@ def _gloo_leftovers(comms) -> list[str]:
     found = []
     for comm in comms:
         comm.timeout = min(comm.timeout, EXIT_WAIT)
-        for work in [w for w in comm.sending if not w.done]:
+        pending = [w for w in comm.sending if not w.done]
+        comm.sending = []  # each completes below, or is named: either way no longer pending
+        for work in pending:
             try:
                 work.wait()
                 continue
@@ -173,8 +188,10 @@ def _gloo_leftovers(comms) -> list[str]:
 def _self_leftovers(comm) -> list[str]:
     """Messages this rank sent itself that no receive took."""
     me = _world_rank(comm, comm.rank)
-    return [
+    lines = [
         _line(me, me, tag, f"{t.numel()} x {t.dtype}")
         for tag, box in sorted(comm.to_self.boxes.items())
         for t in box
     ]
+    comm.to_self.boxes.clear()  # named: forgotten
+    return lines

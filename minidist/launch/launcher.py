@@ -79,6 +79,7 @@ def launch(
     timeout: float | None = None,
     done_marker=None,
     linger: float | None = None,
+    stop=None,
 ) -> Outcome:
     """Run `python argv...` as n ranks over mpi, gloo or nccl; stop all when one fails or hangs.
 
@@ -88,7 +89,9 @@ def launch(
     no limit); a rank still running MINIDIST_TIMEOUT seconds after another finished is stopped
     as hung (linger: other seconds, e.g. inf where rank 0 works on alone on purpose).
     done_marker(rank) -> bool, when given, tells which ranks finished their work, so that a
-    timeout names only the others.
+    timeout names only the others. stop: a threading.Event; once another thread sets it, the
+    job is stopped as if its timeout had passed (launch/pool.py runs one job after another on
+    ranks it started once, each job with its own timeout).
     """
     if n < 1:
         raise ValueError(f"-n {n}: the number of ranks must be at least 1")
@@ -123,7 +126,7 @@ def launch(
                 stdin = "inherit" if r == 0 else "none"  # rank 0 alone reads the input
                 procs.append(processes.start(wrapped, rank_env, stdin))
         linger = job_timeout(base) if linger is None else linger
-        watch = Watch(procs, n, backend, failures, linger, deadline, lifelines)
+        watch = Watch(procs, n, backend, failures, linger, deadline, lifelines, stop)
         outcome = watch.run() or Outcome(0)
         if outcome.timed_out and done_marker is not None:
             outcome.still_running = [r for r in outcome.still_running if not done_marker(r)]

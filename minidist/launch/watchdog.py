@@ -216,15 +216,17 @@ class Lifelines:
 
 
 class Watch:
-    """Poll a launch's ranks (procs: one per rank, or mpiexec alone) until it ends."""
+    """Poll a launch's ranks (procs: one per rank, or mpiexec alone) until it ends, or until
+    `stop` (a threading.Event another thread may set) is set: then as if the deadline passed."""
 
-    def __init__(self, procs, n, backend, folder, timeout, deadline, lifelines=None):
+    def __init__(self, procs, n, backend, folder, timeout, deadline, lifelines=None, stop=None):
         self.procs = procs
         self.backend = backend
         self.folder = folder
         self.ranks = [Rank(r) for r in range(n)]
         self.timeout, self.deadline = timeout, deadline
         self.lifelines = lifelines
+        self.stop = stop
 
     def _pause(self, seconds: float = 0.02) -> None:
         if self.lifelines is None:
@@ -297,7 +299,8 @@ class Watch:
                 first_clean = time.monotonic()
             if first_clean is not None and time.monotonic() - first_clean > self.timeout:
                 return self._lingering(running)
-            if self.deadline is not None and time.monotonic() > self.deadline:
+            late = self.deadline is not None and time.monotonic() > self.deadline
+            if late or (self.stop is not None and self.stop.is_set()):
                 return Outcome(1, still_running=[r.rank for r in running], timed_out=True)
             self._pause()
 
