@@ -8,7 +8,9 @@
 their receive is posted, as MPI_Ssend): an ordering that can deadlock on any MPI fails at once
 with `Deadlock` naming the cycle, and a message no receive took fails the run. Over processes
 `fn` must be a module-level function (it is sent by name) and its arguments and result must
-pickle. A rank that raises fails the whole run with that
+pickle; the ranks are a pool's (launch/pool.py), started once per backend, world size and
+environment in each test process, each run a job on a comm of its own. A rank that raises
+fails the whole run with that
 rank's traceback; a run that outlives `timeout` fails naming the ranks still running, instead of
 hanging the suite. Where MINIDIST_TIMEOUT is set (lab grading sets it low), no comm waits longer,
 and no threads run lasts more than RUN_PAST_COMM_TIMEOUT longer (ranks that loop forever).
@@ -44,6 +46,7 @@ from hypothesis import strategies as st
 
 from minidist.comm.protocol import OPS, CommTimeout, Deadlock, PeerFailed
 from minidist.launch.launcher import launch
+from minidist.launch.pool import Pools
 from minidist.launch.thread_ranks import run_thread_ranks
 
 PROCESS_BACKENDS = ("mpi", "gloo")
@@ -172,17 +175,22 @@ def run_threads(
 def run_processes(
     fn, world_size: int, backend: str, *args, timeout: float = 120.0, allow_unreceived=False
 ) -> list:
-    """Run fn(comm, *args) in world_size real processes over mpi or gloo (started once).
-    A message no receive took fails the run at the ranks' exit (comm/leftovers.py), unless
+    """Run fn(comm, *args) in world_size real processes over mpi or gloo, as one job of a pool
+    of ranks started once for this backend, world size and environment (launch/pool.py: why
+    a job there equals a fresh start), or, for nccl or under MINIDIST_POOL=0, in processes
+    started for it alone. A message no receive took fails the run (comm/leftovers.py), unless
     allow_unreceived (MINIDIST_UNRECEIVED=allow: a program that abandons messages on purpose)."""
+    variables = {"MINIDIST_TIMEOUT": str(_capped(max(timeout - 10, timeout / 2)))}
+    variables |= {"MINIDIST_UNRECEIVED": "allow"} if allow_unreceived else {}
+    if backend in PROCESS_BACKENDS and os.environ.get("MINIDIST_POOL", "1") != "0":
+        return POOLS.run(fn, world_size, backend, args, timeout, variables)
     with tempfile.TemporaryDirectory(prefix="minidist-test-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:
             pickle.dump((fn, args), f)
         path = os.pathsep.join(
             os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")
         )
-        env = {"PYTHONPATH": path, "MINIDIST_TIMEOUT": str(_capped(max(timeout - 10, timeout / 2)))}
-        env |= {"MINIDIST_UNRECEIVED": "allow"} if allow_unreceived else {}
+        env = {"PYTHONPATH": path, **variables}
         done = lambda r: os.path.exists(os.path.join(folder, f"rank{r}.pkl"))  # noqa: E731
         argv = ["-m", "minidist.testing", folder]
         outcome = launch(argv, world_size, backend, env=env, timeout=timeout, done_marker=done)
@@ -193,6 +201,10 @@ def run_processes(
             with open(os.path.join(folder, f"rank{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+# the pools of this process (one per pytest worker); the suite closes them at its end
+POOLS = Pools()
 
 
 def _capped(comm_timeout: float) -> float:

@@ -11,8 +11,9 @@ MINIDIST_HYPOTHESIS=grade picks the second (`tools/labs.py grade` sets it). A te
 from the profile loaded when the test module is imported, and this file is loaded first.
 
 And the suite leaves nothing behind: its temporary files go to a folder of its own (TMPDIR for
-every process it starts, tempfile's folder in this one), which must be empty at the end; no
-other process on the machine writes there, so the check is exact.
+every process it starts, tempfile's folder in this one), which must be empty at the end, once
+the pools of ranks the process tier ran on have ended (minidist/launch/pool.py); no other
+process on the machine writes there, so the check is exact.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def suite_temporary_folder(tmp_path_factory):
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     os.environ["TMPDIR"] = tempfile.tempdir = folder
     yield folder
+    from minidist.testing import POOLS  # here: its settings inherit the profile loaded above
+
+    POOLS.close()  # the process tier's ranks end, and their folders go
     for name in names:
         if old[name] is None:
             os.environ.pop(name, None)

@@ -6,4 +6,5 @@ launcher.py      `minidist run` and `launch()`, the parent: it starts, watches a
 thread_ranks.py  ranks as threads of this process: the one runner of fn(comm) on a ThreadsWorld
 processes.py     the OS plumbing: start, stop, job folders, standard input to rank 0
 watchdog.py      lifelines, blame for the rank that failed first, the job timeout
+pool.py          ranks started once that run one job after another (the test harness's)
 """
