@@ -32,7 +32,9 @@ Lesson: lessons/03_debugging_hangs/ (the watchdog).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import os
 import re
 import runpy
@@ -95,6 +97,10 @@ def rank_main(argv: list[str]) -> None:
     """Run `script args` or `-m module args` as this rank, reporting to the launcher."""
     folder = os.environ["MINIDIST_FAILURE_DIR"]
     rank = next(int(os.environ[v]) for v in RANK_VARIABLES if v in os.environ)
+    # registered first, so it runs last of what runs at exit (after the comms' own checks and
+    # closes, which collect garbage themselves): the interpreter's teardown then skips the
+    # collections over what the imports made (torch: 0.4 of 0.5 CPU-seconds a rank)
+    atexit.register(gc.freeze)
     stack = open(os.path.join(folder, f"rank{rank}.stack"), "w")  # noqa: SIM115 (open for the life of the process)
     faulthandler.register(STACK_SIGNAL, file=stack, all_threads=True)
     signal.signal(MPI_NOTICE, signal.SIG_IGN)
