@@ -6,15 +6,16 @@ three rows (it names them); tests/test_published_runs.py checks the planner on e
 Sources report one of: the iteration time (seconds), MFU (model FLOPs over peak, recompute not
 counted: Chowdhery et al., PaLM, appendix B), Megatron-LM's achieved TFLOP/s per GPU (tflops),
 which counts the extra forward pass of full recompute (Narayanan et al., SC 2021, section 5.1,
-equation 3), or tokens a second a GPU (tokens: TorchTitan's tables).
+equation 3), or tokens a second a GPU (tokens: TorchTitan's and Megatron-Bridge's tables).
 Left out: PTD GPT-174.6B on 384 A100 (Narayanan Table 2) (tp and pp not stated (only their product,
 96)); PTD GPT-174.6B on 768 A100 (Narayanan Table 2) (the same); PTD GPT-174.6B on 1536 A100
 (Narayanan Table 2) (the same); OPT-175B on 992 A100-80GB (tensor-parallel size and batch in
 sequences not stated). Not yet added (FP8 and context parallelism are modelled now): NeMo 24.07
 GPT3-175B FP8 on 128 and on 512 H100; NeMo 24.07 LLAMA3-70B FP8 on 64 H100; NeMo 24.07 LLAMA3-8B
-FP8 on 8 H100; Megatron-Bridge 25.11 Llama 3.1 405B FP8-CS on 1024 H100; its mixtures of experts
-(GPT OSS, Qwen3), whose attention is wider than the model (heads x head_dim != hidden), which
-plan.Shape cannot express.
+FP8 on 8 H100; Megatron-Bridge 25.11 Llama 3.1 405B FP8-CS on 1024 H100. Left out of its
+DGX-H100 mixtures of experts: GPT OSS 120B (its row's GA of 2 contradicts GBS 512 / (MBS 4 x
+DP 16) = 8; and attention sinks and alternating sliding windows, not modelled) and Qwen3
+235B-A22B (its row's columns are shifted: one value short). Qwen3-30B-A3B is r54.
 """
 
 SOURCES = {
@@ -53,6 +54,11 @@ SOURCES = {
         "sequence length from torchtitan's train_configs (llama3_8b.toml, llama3_70b.toml: "
         "seq_len = 8192); the GPUs' memory bandwidth from its docs/performance.md"
     ),
+    "mb25": (
+        "NVIDIA NeMo Megatron-Bridge, docs/performance-summary.md, '25.11 NeMo Container', "
+        "Pre-Training Performance, System: DGX-H100 (docs.nvidia.com/nemo/megatron-bridge/latest/"
+        "performance-summary.html); the model's shape from Qwen/Qwen3-30B-A3B's config.json"
+    ),
 }
 
 # Each source's framework, as minidist/cluster/profiles.py names it (where its data-parallel
@@ -72,6 +78,7 @@ PROFILE = {
     "d24": "fsdp",
     "m23": "fsdp",
     "t24": "fsdp",
+    "mb25": "megatron-core",
     **dict.fromkeys(("r00", "r01", "r02", "r03"), "ddp"),
     **dict.fromkeys(("r10", "r11", "r12", "r13", "r14", "r15"), "deepspeed"),
 }
@@ -133,7 +140,14 @@ SHAPES = {
     "L48h7168v50": (48, 7168, 56, 56, 28672, False, 50368, 2048),
     "L40h5120v50": (40, 5120, 40, 40, 20480, False, 50368, 2048),
     "L32h4096v50": (32, 4096, 32, 32, 16384, False, 50368, 2048),
+    "L48h2048e128": (48, 2048, 32, 4, 768, True, 151936, 4096),
 }
+# What the columns of SHAPES cannot hold: heads wider than hidden / heads, a mixture of experts.
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json on Hugging Face): hidden_size 2048, 48 layers,
+# 32 attention heads and 4 key/value heads of head_dim 128 (queries 4096 wide: twice the
+# model), num_experts 128 of moe_intermediate_size 768, num_experts_per_tok 8, vocab_size
+# 151936, tie_word_embeddings false; no shared expert.
+SHAPE_MORE = {"L48h2048e128": {"head_dim": 128, "experts": 128, "top_k": 8}}
 
 # id: shape, source, GPU, GB, GPUs, tp, pp, v, ZeRO, microbatch, batch, recompute, sp, flash
 RUNS = {
@@ -187,6 +201,7 @@ RUNS = {
     "r51": ("L32h4096s8192v128", "t24", "H100", 102, 128, 1, 1, 1, 3, 2, 256, "op", 0, 1),
     "r52": ("L32h4096s131072v128", "t24", "H100", 102, 8, 1, 1, 1, 3, 1, 2, "full", 0, 1),
     "r53": ("L80h8192s8192v128", "t24", "H100", 102, 256, 8, 1, 1, 3, 16, 512, "full", 1, 1),
+    "r54": ("L48h2048e128", "mb25", "H100", 80, 16, 1, 2, 24, 1, 2, 512, "none", 0, 1),
 }
 
 # What the columns of RUNS cannot hold: context parallelism, FP8, and the GPUs' memory bandwidth
@@ -198,6 +213,7 @@ MORE = {
     "r40": {"cp": 16},
     "r52": {"cp": 4, "fp8": True},
     "r53": {"fp8": True},
+    "r54": {"ep": 8, "fp8": True},
 }
 MEMORY_BW = {"t24": 2400e9}
 
@@ -253,6 +269,7 @@ REPORTED = {
     "r51": ("tokens", 5645),
     "r52": ("tokens", 1071),
     "r53": ("tokens", 897),
+    "r54": ("tokens", 5275),
 }
 
 NAMES = {
@@ -306,6 +323,7 @@ NAMES = {
     "r51": "TorchTitan FSDP Llama 3.1 8B on 128 H100, seq 8192",
     "r52": "TorchTitan FSDP2 CP4 Float8 Llama 3.1 8B on 8 H100, seq 131072",
     "r53": "TorchTitan FSDP32 TP8 Float8 Llama 3.1 70B on 256 H100, seq 8192",
+    "r54": "Megatron-Bridge Qwen3-30B-A3B MoE PP2 VP24 EP8 FP8 on 16 H100, seq 4096",
 }
 
 # What section 3.3.2 of Dubey et al. states of both Llama 3 rows' layout.
@@ -524,6 +542,13 @@ EVIDENCE = {
         "GPUs ... Full activation checkpointing. FSDP degree 32, TP degree 8. Local batch size 16, "
         "global batch size 512': 2D | 897 Tok/Sec | 70.3 GiB"
     ),
+    "r54": (
+        "25.11 NeMo Container, Pre-Training Performance, System: DGX-H100: Qwen3_30B_a3B | 16 | "
+        "FP8-CS | 512 | 2 | 4096 | 0 | 1 | 2 | 1 | 24 | 8 | 32 | 5275 | 121 (#-GPUs, Precision, "
+        "GBS, MBS, Sequence Length, FSDP, TP, PP, CP, VP, EP, GA, Tokens / sec / GPU, Model "
+        "TFLOP / sec / GPU); 'In MoE training benchmarks, we force-balance the token "
+        "distribution among experts and all benchmarks are token-dropless.'"
+    ),
 }
 
 
@@ -603,4 +628,12 @@ ASSUMED = {
     "r51": TORCHTITAN_ASSUMED,
     "r52": [*TORCHTITAN_ASSUMED[1:], "global batch 2 (FSDP 2 x local 1)"],
     "r53": [*TORCHTITAN_ASSUMED[1:], "microbatch 16 (no pipeline: no accumulation)"],
+    "r54": [
+        "Megatron-Core's distributed optimizer as ZeRO-1",
+        "no activation recompute",
+        "flash attention at FlashAttention-2's rates (Transformer Engine's fused attention)",
+        "capacity 1 (the table's routing is force-balanced and dropless)",
+        "the expert-parallel group placed as minidist's mesh places dp, pp inside it (Megatron "
+        "puts pp outermost, so its ep 8 stays on one node's NVLink)",
+    ],
 }

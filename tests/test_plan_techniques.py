@@ -45,6 +45,24 @@ def test_grouped_queries_shrink_keys_and_values_in_parameters_and_activations():
     assert 2 + 4 + 2 + 4 * gpt.ffn / gpt.hidden == 24
 
 
+def test_head_dim_widens_the_attention_beyond_the_model():
+    # Qwen3-30B-A3B's config.json: hidden 2048, 32 heads and 4 kv heads of head_dim 128
+    qwen = plan.Shape("qwen3", 48, 2048, 32, 768, 151936, 4096, 4, True, False, head_dim=128)
+    assert (qwen.q_width(), qwen.kv_width()) == (4096, 512)
+    assert qwen.attention_params() == 2 * 2048 * 4096 + 2 * 2048 * 512
+    # the attention's FLOPs are 4 s heads d a token, not 4 s h
+    assert qwen.layers_flops_per_token() == 48 * (2 * qwen.layer_params() + 4 * 4096 * 4096)
+    # q and the attention's output kept 4096 wide: 2 q/h each in Korthikanti et al.'s terms
+    x = plan.Layout(1, 1, 1)
+    split = 2 * 2 + 4 * 512 / 2048 + 2 * 2 + 6 * 768 / 2048
+    want = 4096 * 2048 * (8 + split)
+    assert plan.layer_activation_bytes(qwen, x) == pytest.approx(want, rel=1e-12)
+    # the default is hidden / heads: nothing changes for a shape that names no head_dim
+    named = replace(LLAMA70, head_dim=128)  # Llama 2 70B: 64 heads of 8192 / 64 = 128
+    assert named.attention_params() == LLAMA70.attention_params()
+    assert named.layers_flops_per_token() == LLAMA70.layers_flops_per_token()
+
+
 def test_context_parallelism_holds_a_cpth_of_the_sequence_and_its_ring_hides_behind_attention():
     shape = replace(LLAMA405, seq=131072)
     x = plan.Layout(dp=8, pp=16, tp=8, v=8, zero=2, sp=True, ends=True, cp=16)

@@ -72,6 +72,7 @@ LIMITS = {
     "cp": (1, 1 << 16),
     "ep": (1, 1 << 16),
     "kv_heads": (1, 1 << 16),
+    "head_dim": (1, 1 << 16),
     "experts": (1, 1 << 16),
     "top_k": (1, 1 << 16),
 }
@@ -84,7 +85,7 @@ def add_parser(sub) -> None:
     models = ", ".join(plan.SHAPES)
     p.add_argument("--model", help=f"one of {models} (gpt3-175b; minidist with --cluster this)")
     # numbers arrive as text and are read by numbers(): a bad one is refused in one line
-    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq-len"):
+    for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "ffn", "vocab", "seq-len"):
         p.add_argument(f"--{flag}", help="override the model's shape")
     for flag in ("experts", "top-k"):
         p.add_argument(f"--{flag}", help="override the model's mixture of experts")
@@ -274,7 +275,8 @@ def derived_shape(args) -> plan.Shape:
     shape = plan.SHAPES[args.model]
     changes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads}
     changes |= {"ffn": args.ffn, "vocab": args.vocab, "seq": args.seq_len}
-    changes |= {"kv_heads": args.kv_heads, "experts": args.experts, "top_k": args.top_k}
+    changes |= {"kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    changes |= {"experts": args.experts, "top_k": args.top_k}
     changes |= {"capacity": args.capacity}
     if args.hidden and args.ffn is None:
         changes["ffn"] = shape.ffn * args.hidden // shape.hidden

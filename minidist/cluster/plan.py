@@ -221,10 +221,11 @@ def layer_params_held(shape: Shape, layout: Layout) -> tuple[float, float]:
 def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
     """Bytes one layer keeps for backward per microbatch without full recompute (Korthikanti et
     al., table 2, the docstring's formulas; see memory_bytes for flash, e and dropout). Their 24
-    s b h / t counted term by term, for any shape: q (2), k and v (4 h_kv/h), the attention's
-    output (2), the MLP's two inner activations (4 f/h; gated, three: 6 f/h); a mixture keeps its
-    experts' for every token top_k x capacity times; cp ranks hold s/cp tokens each, and ring
-    attention keeps no s x s scores."""
+    s b h / t counted term by term, for any shape: q (2 q/h: q the queries' width, h unless
+    head_dim says otherwise), k and v (4 h_kv/h), the attention's output (2 q/h), the MLP's two
+    inner activations (4 f/h; gated, three: 6 f/h); a mixture keeps its experts' for every
+    token top_k x capacity times; cp ranks hold s/cp tokens each, and ring attention keeps no
+    s x s scores."""
     x = layout
     h = shape.hidden
     s = shape.seq
@@ -237,7 +238,8 @@ def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: 
     attention = 0 if kept else scores * a * s / (h * t)
     routed = shape.top_k * shape.capacity if shape.experts else 1
     mlp = (6 if shape.glu else 4) * shape.ffn / h * routed
-    split = 2 + 4 * shape.kv_width() / h + 2 + mlp  # cut over tp: 24 for GPT-3's shape
+    q = 2 * shape.q_width() / h  # q, and the attention's output as wide
+    split = q + 4 * shape.kv_width() / h + q + mlp  # cut over tp: 24 for GPT-3's shape
     return sbh * (((8 + drop + split) / t if x.sp else 8 + drop + split / t) + attention)
 
 
@@ -276,16 +278,17 @@ def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
 @functools.lru_cache(maxsize=4096)
 def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu) -> float:
     """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
-    quantization (cluster.wave_share): b s / cp rows by q k v (h -> (h + 2 h_kv)/t), out
-    (h/t -> h), and for the MLP's up (h -> f/t, twice if gated) and down (f/t -> h) as many rows,
+    quantization (cluster.wave_share): b s / cp rows by q k v (h -> (q + 2 h_kv)/t), out
+    (q/t -> h), and for the MLP's up (h -> f/t, twice if gated) and down (f/t -> h) as many rows,
     or a mixture's experts' top_k x capacity / experts of them each. step() applies it to all of
     a stage's FLOPs (the logits and attention scores are large products too: a simplification)."""
     h = shape.hidden
     f = shape.ffn
     kv = shape.kv_width()
+    q = shape.q_width()
     up = f * (2 if shape.glu else 1)
     rows = shape.seq * b // cp
-    attention = [(h, (h + 2 * kv) // t), (h // t, h)]
+    attention = [(h, (q + 2 * kv) // t), (q // t, h)]
     mlp = [(h, up // t), (f // t, h)]
     expert_rows = rows
     if shape.experts:  # each expert's share of the routed tokens
@@ -430,9 +433,8 @@ def attention_seconds_per_token(
     if not flash:
         return 0.0
     gen = generation(cluster)
-    head_dim = shape.hidden // shape.heads
-    s, h = shape.seq, shape.hidden
-    kernel = attention.seconds_per_token(gen, head_dim, s, h, x.recompute, s // x.cp)
+    s, h = shape.seq, shape.q_width()  # the attention's FLOPs are 4 s heads d
+    kernel = attention.seconds_per_token(gen, shape.head_width(), s, h, x.recompute, s // x.cp)
     if kernel is None:
         return 0.0
     again = 1 if x.recompute in ("full", "selective") else 0
@@ -453,7 +455,7 @@ def cp_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int, rate: flo
     chunk = e * 2 * tokens * shape.kv_width() / x.tp
     across = x.cp * x.tp > cluster.gpus_per_node  # the ring's neighbours are tp ranks apart
     ring = 3 * (x.cp - 1) * network.p2p_seconds(cluster, across, chunk, eff.network)
-    attention = 3 * 4 * shape.seq * shape.hidden * tokens / x.tp / rate
+    attention = 3 * 4 * shape.seq * shape.q_width() * tokens / x.tp / rate
     return max(0.0, ring - attention)
 
 

@@ -204,7 +204,7 @@ def warnings(shape: plan.Shape, ok: list, recompute_asked: bool) -> list[str]:
     found = []
     best = ok[0].layout
     if best.cp == 1 and shape.seq >= LONG:
-        scores = 4 * shape.seq * shape.hidden
+        scores = 4 * shape.seq * shape.q_width()
         share = scores / (2 * shape.active_layer_params() + scores)
         kept = plan.layer_activation_bytes(shape, best) / 1e9
         found.append(

@@ -19,8 +19,8 @@ FLOPs per token, three conventions:
                (Narayanan et al., SC 2021, equation 3: 96 B s l h^2 (1 + s/6h + V/16lh));
                selective, 12 s h a layer (Korthikanti et al., 2022: their HFU of table 5 is
                72 B s l h^2 (1 + s/3h + V/12lh), model FLOPs' s/6h twice)
-A forward: 2 x the layer's matmul parameters + 4 s h (attention scores and values) per layer,
-and 2 V h for the logits.
+A forward: 2 x the layer's matmul parameters + 4 s h (attention scores and values; 4 s heads d
+where the heads' width d is not h / heads) per layer, and 2 V h for the logits.
 Ladder: Shape -> params (tied or not) -> the three FLOP counts -> plan.py prices them.
 Paper: Narayanan et al. (SC 2021), section 5.1; Korthikanti et al. (2022).
 Lesson: lessons/13_beyond_one_machine/.   Run: minidist plan --model gpt3-175b
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Shape:
     """A decoder-only transformer: layers, hidden size, heads (kv_heads < heads: grouped
-    queries, keys and values of kv_heads heads), FFN size, vocabulary, sequence length; glu: a
+    queries, keys and values of kv_heads heads; head_dim: each head's width, if not
+    hidden / heads), FFN size, vocabulary, sequence length; glu: a
     gated MLP (3 matrices, Llama); dropout: its masks are kept for backward; tied: the output
     layer is the embedding's; experts > 0: every layer's MLP is a mixture of that many experts
     of ffn each, top_k of them for each token, each expert computing at most capacity x its
@@ -56,14 +57,24 @@ class Shape:
     experts: int = 0  # 0: a dense MLP
     top_k: int = 1
     capacity: float = 1.0
+    head_dim: int = 0  # 0: hidden / heads
+
+    def head_width(self) -> int:
+        """One head's width d: head_dim, or h / heads."""
+        return self.head_dim or self.hidden // self.heads
+
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention's output): heads x d, h unless head_dim
+        says otherwise (Qwen3, GPT-OSS: attention wider or narrower than the model)."""
+        return self.heads * self.head_width()
 
     def kv_width(self) -> int:
-        """Width of the keys (and of the values): h kv_heads / heads."""
-        return self.hidden * (self.kv_heads or self.heads) // self.heads
+        """Width of the keys (and of the values): kv_heads x d (h kv_heads / heads by default)."""
+        return (self.kv_heads or self.heads) * self.head_width()
 
     def attention_params(self) -> int:
-        """q and out (h x h each), k and v (h x kv_width each)."""
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_width()
+        """q and out (h x heads d each), k and v (h x kv_width each)."""
+        return 2 * self.hidden * self.q_width() + 2 * self.hidden * self.kv_width()
 
     def mlp_params(self) -> int:
         """One MLP (one expert): up (twice if gated) and down."""
@@ -97,7 +108,7 @@ class Shape:
         """The layers' forward: matmuls 2 x their active parameters (capacity: as executed),
         attention scores and values 4 s h each."""
         active = self.active_layer_params(capacity)
-        return self.layers * (2 * active + 4 * self.seq * self.hidden)
+        return self.layers * (2 * active + 4 * self.seq * self.q_width())
 
     def forward_flops_per_token(self, capacity: bool = False) -> float:
         """The whole forward: the layers, then the logits' 2 V h."""
@@ -109,7 +120,7 @@ class Shape:
         96 B s l h^2 (1 + s/6h + V/16lh)); selective, the attention core's matmuls, 4 s h a
         layer; op (TorchTitan's selective policy), every second linear layer's forward."""
         again = {"none": 0, "full": self.layers_flops_per_token(capacity=True)}
-        again["selective"] = 4 * self.seq * self.hidden * self.layers
+        again["selective"] = 4 * self.seq * self.q_width() * self.layers
         again["op"] = self.active_layer_params(capacity=True) * self.layers  # half of 2 x
         return 3 * self.forward_flops_per_token(capacity=True) + again[recompute]
 
@@ -123,7 +134,7 @@ class Shape:
         forward (Narayanan et al., equation 3), selective 12 s h a layer (Korthikanti et al.'s
         HFU, 1 + s/3h where model FLOPs have 1 + s/6h)."""
         again = {"none": 0, "full": self.layers_flops_per_token()}
-        again["selective"] = 12 * self.seq * self.hidden * self.layers
+        again["selective"] = 12 * self.seq * self.q_width() * self.layers
         again["op"] = self.active_layer_params() * self.layers  # as executed: no paper counts it
         return self.model_flops_per_token() + again[recompute]
 
