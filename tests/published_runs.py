@@ -7,6 +7,8 @@ Sources report one of: the iteration time (seconds), MFU (model FLOPs over peak,
 counted: Chowdhery et al., PaLM, appendix B), Megatron-LM's achieved TFLOP/s per GPU (tflops),
 which counts the extra forward pass of full recompute (Narayanan et al., SC 2021, section 5.1,
 equation 3), or tokens a second a GPU (tokens: TorchTitan's and Megatron-Bridge's tables).
+Every H100 row with flash attention is priced at FlashAttention-2's measured rates
+(minidist/cluster/attention.py): the kernel is an assumption where a source does not name it.
 Left out: PTD GPT-174.6B on 384 A100 (Narayanan Table 2) (tp and pp not stated (only their product,
 96)); PTD GPT-174.6B on 768 A100 (Narayanan Table 2) (the same); PTD GPT-174.6B on 1536 A100
 (Narayanan Table 2) (the same); OPT-175B on 992 A100-80GB (tensor-parallel size and batch in

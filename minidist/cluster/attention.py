@@ -28,7 +28,8 @@ from __future__ import annotations
 #       rates without the mask stand in (an assumption). FlashAttention-2 is what PyTorch's
 #       scaled_dot_product_attention and the frameworks of the validated H100 runs (2023-24)
 #       ran; FlashAttention-3's own bars are faster (forward 292-616 TFLOP/s).
-# No A100 rates are tabled: its attention keeps the matmul rate (plan.step).
+# No A100 rates are tabled: its attention keeps the matmul rate (plan.step). The H200 takes the
+# H100's (its calibration's generation: the same SMs and peak; an assumption).
 SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
 FLASH2 = {
     # (GPU generation, head dim): (forward TFLOP/s by sequence, backward TFLOP/s by sequence)
