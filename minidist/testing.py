@@ -177,12 +177,14 @@ def run_processes(
 ) -> list:
     """Run fn(comm, *args) in world_size real processes over mpi or gloo, as one job of a pool
     of ranks started once for this backend, world size and environment (launch/pool.py: why
-    a job there equals a fresh start), or, for nccl or under MINIDIST_POOL=0, in processes
-    started for it alone. A message no receive took fails the run (comm/leftovers.py), unless
-    allow_unreceived (MINIDIST_UNRECEIVED=allow: a program that abandons messages on purpose)."""
+    a job there equals a fresh start), or, for nccl, a world larger than POOLS.max_world or
+    under MINIDIST_POOL=0, in processes started for it alone. A message no receive took fails
+    the run (comm/leftovers.py), unless allow_unreceived (MINIDIST_UNRECEIVED=allow: a program
+    that abandons messages on purpose)."""
     variables = {"MINIDIST_TIMEOUT": str(_capped(max(timeout - 10, timeout / 2)))}
     variables |= {"MINIDIST_UNRECEIVED": "allow"} if allow_unreceived else {}
-    if backend in PROCESS_BACKENDS and os.environ.get("MINIDIST_POOL", "1") != "0":
+    pooled = backend in PROCESS_BACKENDS and world_size <= POOLS.max_world
+    if pooled and os.environ.get("MINIDIST_POOL", "1") != "0":
         return POOLS.run(fn, world_size, backend, args, timeout, variables)
     with tempfile.TemporaryDirectory(prefix="minidist-test-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:

@@ -174,11 +174,13 @@ class Pool:
 
 class Pools:
     """The pools of this process, one per (backend, world size, environment), holding at most
-    max_ranks ranks in all: the least recently used pool goes first. Their ranks hold memory
-    (about 0.3 GB each) between tests."""
+    max_ranks ranks in all (each holds about 0.25 GB between jobs): the least recently used pool
+    goes first. Worlds of more than max_world ranks (rare) run without: they would push out the
+    pools every other job uses."""
 
-    def __init__(self, max_ranks: int = 12):
+    def __init__(self, max_ranks: int = 12, max_world: int = 4):
         self.max_ranks = max_ranks
+        self.max_world = max_world
         self.pools: dict[tuple, Pool] = {}  # least recently used first
         self.closing: list[Pool] = []
 
