@@ -14,7 +14,8 @@ args`), WRAPPER calling rank_main below. That small wrapper, in each rank, befor
     once, before MPI's finalize can make the process linger; a traceback before init()
     (a missing module, an init failure) goes into rank{r}.txt, as init's failure hook does.
 
-The launcher polls every 20 ms (waking at once when a lifeline closes) and stops the whole job when:
+The launcher polls every 20 ms, backing off to 250 ms while nothing changes (waking at once when
+a lifeline closes), and stops the whole job when:
     a rank exits with a code != 0, dies by a signal, or leaves a traceback   -> that rank
     ranks time out waiting (CommTimeout) for a peer still running            -> the peer: hung
         (unless its stack shows it waiting in a comm too: then the rank that timed out)
@@ -54,6 +55,8 @@ STACK_SIGNAL = signal.SIGUSR2
 # mpiexec, run with -disable-auto-cleanup, tells surviving ranks of a failure by SIGUSR1; the
 # launcher handles failures, and SIGUSR1's default action would kill a rank as it exits cleanly
 MPI_NOTICE = signal.SIGUSR1
+POLL = 0.02  # seconds between two looks at the ranks, while they change
+POLL_QUIET = 0.25  # ... and at most, while nothing changes (a long job: 4 looks a second)
 
 
 def job_timeout(env=os.environ) -> float:
@@ -234,7 +237,7 @@ class Watch:
         self.lifelines = lifelines
         self.stop = stop
 
-    def _pause(self, seconds: float = 0.02) -> None:
+    def _pause(self, seconds: float = POLL) -> None:
         if self.lifelines is None:
             time.sleep(seconds)
         else:
@@ -293,10 +296,15 @@ class Watch:
         """Wait until the job ends (None: all ranks exited 0) or must be stopped (an Outcome,
         the stacks of live ranks collected first)."""
         first_clean = None
+        pause = POLL
+        seen = len(self.ranks)
         while True:
             self.poll()
             failed = [r for r in self.ranks if r.ended is not None and r.code != 0]
             running = [r for r in self.ranks if r.ended is None]
+            # a quiet job is looked at less and less often (a lifeline still wakes us at once)
+            pause = POLL if len(running) != seen else min(2 * pause, POLL_QUIET)
+            seen = len(running)
             if failed:
                 return self._failed()
             if not running:
@@ -308,7 +316,7 @@ class Watch:
             late = self.deadline is not None and time.monotonic() > self.deadline
             if late or (self.stop is not None and self.stop.is_set()):
                 return Outcome(1, still_running=[r.rank for r in running], timed_out=True)
-            self._pause()
+            self._pause(pause)
 
     def stacks(self, ranks: list[Rank]) -> dict[int, str]:
         """Ask each rank for every thread's stack (faulthandler) and read what it wrote."""
