@@ -33,9 +33,12 @@ Why a job equals a fresh start:
   the watchdog report it as for any rank. A job that outlives its timeout stops the pool (launch's
   stop), and the report names the ranks that had not finished, as launch's timeout does. The next
   job gets a new pool.
-- A pool retires after JOBS jobs: each job leaves its communicators behind (mpi4py frees none and
-  MPICH holds at most 2048 per process; a Gloo group keeps its sockets), from 2 to 43 a job in
-  the suite, measured.
+- A pool retires after JOBS jobs, and a Gloo pool once its ranks hold more than GROUPS groups:
+  each job leaves its communicators behind, from 2 to 43 a job in the suite, measured (mpi4py
+  frees none, and MPICH holds at most 2048 per process; a Gloo group cannot be destroyed
+  without its name, which counts the groups held, being given to a later group whose
+  rendezvous would then read the old one's addresses; and it keeps a thread that wakes every
+  10 ms: 43 groups cost an idle rank 4% of a core).
 Lesson: lessons/01_processes_p2p/ (launch).
 """
 
@@ -61,6 +64,9 @@ from minidist.launch.watchdog import Outcome
 
 PREFIX = "minidist-pool-"  # a pool's folder, in the temporary folder: jobs, results, FIFOs
 JOBS = 16  # jobs a pool serves before it retires (43 communicators a job at most: 688 of 2048)
+# Gloo groups a rank may hold after a job: each keeps a thread that wakes every 10 ms (gloo's
+# tcp loop), about 0.1% of a core a group and rank while the pool waits for its next job
+GROUPS = 24
 WAIT_THREADS = 1.0  # seconds a job's threads get to end after it (a dropped executor's worker)
 POLL = 0.005  # seconds between two looks for the ranks' results
 
@@ -285,7 +291,7 @@ def serve(folder: str) -> None:
             del fn, args, job
             left = leftovers.check() is not None  # as at exit; the job's comm still counts
             del comm
-            reuse = not left and not _running(threads)
+            reuse = not left and not _running(threads) and _groups(world) <= GROUPS
             gc.freeze()
             path = os.path.join(folder, f"result{k}.rank{world.rank}.pkl")
             with open(path + ".tmp", "wb") as f:
@@ -293,6 +299,15 @@ def serve(folder: str) -> None:
             os.replace(path + ".tmp", path)
             if not reuse:
                 return  # the exit check runs as the rank ends, under the job's variables
+
+
+def _groups(world) -> int:
+    """The torch.distributed process groups this rank holds (mpi: none)."""
+    if world.backend == "mpi":
+        return 0
+    from minidist.comm import torchdist
+
+    return torchdist._groups_made()
 
 
 def _running(before: set) -> list[threading.Thread]:
