@@ -4,6 +4,7 @@ fresh start would, and fails as a fresh start would."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 
@@ -74,6 +75,11 @@ def rank_1_sleeps(comm) -> None:
         time.sleep(60)
 
 
+def leaves_a_thread_at_work(comm) -> int:
+    threading.Thread(target=time.sleep, args=(10,), daemon=True).start()
+    return os.getpid()
+
+
 def pid(comm) -> int:
     return os.getpid()
 
@@ -83,7 +89,8 @@ def test_a_failing_job_reads_as_in_a_fresh_start_and_the_next_job_gets_new_ranks
     """mpi, 2 ranks: a rank that hangs, a message left unreceived and a rank that raises fail the
     run with the launcher's words, as a fresh start's ranks would (the same text but for the
     frames of the harness itself, compared with MINIDIST_POOL=0 once), the hang within seconds
-    of its comm timeout; the job after each failure runs on ranks started anew."""
+    of its comm timeout; the job after each failure, or after a job that left a thread at work,
+    runs on ranks started anew."""
     said = {}
     pids = []
     for job, timeout in ((rank_1_sleeps, 6), (leaves_a_message, 60), (fails_on_rank_1, 60)):
@@ -92,7 +99,10 @@ def test_a_failing_job_reads_as_in_a_fresh_start_and_the_next_job_gets_new_ranks
         with pytest.raises(AssertionError) as e:
             run_processes(job, 2, "mpi", timeout=timeout)
         said[job.__name__] = (str(e.value), time.monotonic() - start)
-    assert len({tuple(p) for p in pids}) == len(pids), pids  # new ranks after each failure
+    pids.append(run_processes(pid, 2, "mpi", timeout=60))
+    pids.append(run_processes(leaves_a_thread_at_work, 2, "mpi", timeout=60))  # passes, on the
+    pids.append(run_processes(pid, 2, "mpi", timeout=60))  # same ranks, and retires them
+    assert len({tuple(p) for p in pids}) == len(pids) - 1 and pids[-3] == pids[-2], pids
     text, seconds = said["rank_1_sleeps"]
     assert text.startswith("mpi x 2: rank 1 hung (exit code 1):"), text
     assert "CommTimeout: rank 0 of 2 (mpi): barrier #1 timed out after 3s" in text, text

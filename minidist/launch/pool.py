@@ -26,7 +26,7 @@ Why a job equals a fresh start:
   (MINIDIST_IMPL_*, MINIDIST_DEBUG, OMP_NUM_THREADS, PYTHONPATH) is part of the pool's key: a
   test run under another environment gets another pool (Pools).
 - A job ends as a program ends: the final barrier, then the exit check of comm/leftovers.py
-  (leftovers.check) on the comms alive. A job that left a message, or a thread still running,
+  (leftovers.check) on the comms alive. A job that left a message, or a thread still at work,
   retires the pool: its ranks end as any rank ends, and the launcher reads their reports, so the
   verdict and its words are a fresh start's.
 - A job that fails ends the pool: the exception leaves the rank's loop, and the failure hook and
@@ -56,6 +56,7 @@ import torch
 
 from minidist.comm import leftovers
 from minidist.comm.checked import CheckedComm
+from minidist.comm.deadlock import thread_frames
 from minidist.comm.protocol import DEFAULT_TIMEOUT
 from minidist.launch import processes
 from minidist.launch.init import init
@@ -311,12 +312,27 @@ def _groups(world) -> int:
 
 
 def _running(before: set) -> list[threading.Thread]:
-    """The threads a job started that are still running WAIT_THREADS seconds after it."""
+    """The threads a job started that are still at work WAIT_THREADS seconds after it. A thread
+    pool's worker waiting for work is not: it holds nothing of the job, and a fresh process that
+    ran the same code would hold it too (torch starts one for good: _prefetch_executor)."""
     end = time.monotonic() + WAIT_THREADS
     started = [t for t in threading.enumerate() if t not in before]
     for t in started:
         t.join(max(0.0, end - time.monotonic()))
-    return [t for t in started if t.is_alive()]
+    frames = thread_frames()
+    return [t for t in started if t.is_alive() and not _idle_worker(frames.get(t.ident))]
+
+
+def _idle_worker(frame) -> bool:
+    """Whether a thread's innermost frame is a thread pool worker's loop itself: it waits in
+    the queue's get (C code) for work; at work, the work's own frames would be innermost."""
+    if frame is None:
+        return False
+    code = frame.f_code
+    return code.co_name == "_worker" and code.co_filename.endswith(_POOL_WORKER)
+
+
+_POOL_WORKER = os.path.join("concurrent", "futures", "thread.py")
 
 
 if __name__ == "__main__":
