@@ -60,13 +60,12 @@ def test_a_job_sees_what_a_fresh_rank_sees(backend, monkeypatch):
 
 
 def leaves_a_message(comm) -> None:
-    if comm.rank == 0:
-        comm.send(torch.ones(2), 1, tag=3)  # rank 1 never receives it
+    comm.send(torch.ones(2), comm.world_size - 1, tag=3)  # no receive ever takes it
 
 
-def fails_on_rank_1(comm) -> int:
-    if comm.rank == 1:
-        raise ValueError("boom on rank 1")
+def fails_on_the_last_rank(comm) -> int:
+    if comm.rank == comm.world_size - 1:
+        raise ValueError("boom on the last rank")
     return os.getpid()
 
 
@@ -86,30 +85,31 @@ def pid(comm) -> int:
 
 @pytest.mark.processes
 def test_a_failing_job_reads_as_in_a_fresh_start_and_the_next_job_gets_new_ranks():
-    """mpi, 2 ranks: a rank that hangs, a message left unreceived and a rank that raises fail the
-    run with the launcher's words, as a fresh start's ranks would (the same text but for the
-    frames of the harness itself, compared with MINIDIST_POOL=0 once), the hang within seconds
-    of its comm timeout; the job after each failure, or after a job that left a thread at work,
-    runs on ranks started anew."""
+    """mpi: a rank that hangs (2 ranks), a message left unreceived and a rank that raises (1 rank:
+    fewer to start) fail the run with the launcher's words, as a fresh start's ranks would (the
+    same text but for the harness's own frames, compared with MINIDIST_POOL=0 once), the hang
+    within seconds of its comm timeout; the job after each failure, or after a job that left a
+    thread at work, runs on ranks started anew."""
     said = {}
     pids = []
-    for job, timeout in ((rank_1_sleeps, 6), (leaves_a_message, 60), (fails_on_rank_1, 60)):
-        pids.append(run_processes(pid, 2, "mpi", timeout=60))  # a pool started, if none was
+    jobs = ((rank_1_sleeps, 2, 6), (leaves_a_message, 1, 60), (fails_on_the_last_rank, 1, 60))
+    for job, n, timeout in jobs:
+        pids.append(run_processes(pid, n, "mpi", timeout=60))  # a pool started, if none was
         start = time.monotonic()
         with pytest.raises(AssertionError) as e:
-            run_processes(job, 2, "mpi", timeout=timeout)
+            run_processes(job, n, "mpi", timeout=timeout)
         said[job.__name__] = (str(e.value), time.monotonic() - start)
-    pids.append(run_processes(pid, 2, "mpi", timeout=60))
-    pids.append(run_processes(leaves_a_thread_at_work, 2, "mpi", timeout=60))  # passes, on the
-    pids.append(run_processes(pid, 2, "mpi", timeout=60))  # same ranks, and retires them
+    pids.append(run_processes(pid, 1, "mpi", timeout=60))
+    pids.append(run_processes(leaves_a_thread_at_work, 1, "mpi", timeout=60))  # passes, on the
+    pids.append(run_processes(pid, 1, "mpi", timeout=60))  # same rank, and retires it
     assert len({tuple(p) for p in pids}) == len(pids) - 1 and pids[-3] == pids[-2], pids
     text, seconds = said["rank_1_sleeps"]
     assert text.startswith("mpi x 2: rank 1 hung (exit code 1):"), text
     assert "CommTimeout: rank 0 of 2 (mpi): barrier #1 timed out after 3s" in text, text
     assert seconds < 6, f"a hang took {seconds:.0f} s to fail"
     text, _ = said["leaves_a_message"]
-    assert text.startswith("mpi x 2: rank 1 found messages never received at its exit"), text
-    assert "\n  rank 0 -> rank 1, tag 3: 2 x torch.float32\n" in text, text
-    text, _ = said["fails_on_rank_1"]
-    assert text.startswith("mpi x 2: rank 1 failed (exit code 1):\nTraceback"), text
-    assert "\nValueError: boom on rank 1\n" in text, text
+    assert text.startswith("mpi x 1: rank 0 found messages never received at its exit"), text
+    assert "\n  rank 0 -> rank 0, tag 3: 2 x torch.float32\n" in text, text
+    text, _ = said["fails_on_the_last_rank"]
+    assert text.startswith("mpi x 1: rank 0 failed (exit code 1):\nTraceback"), text
+    assert "\nValueError: boom on the last rank\n" in text, text
