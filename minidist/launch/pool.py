@@ -181,14 +181,17 @@ class Pool:
 
 class Pools:
     """The pools of this process, one per (backend, world size, environment), holding at most
-    max_ranks ranks in all (each holds about 0.25 GB between jobs): the least recently used pool
-    goes first. Worlds of more than max_world ranks (rare) run without: they would push out the
-    pools every other job uses."""
+    max_ranks ranks in all (each holds about 0.25 GB between jobs): to make room, the pool whose
+    kind has run the fewest jobs goes first (of equals the smaller, then the least recently
+    used), so the 4-rank pools most tests share are not pushed out by the 2- and 3-rank ones a
+    few tests use. Worlds of more than max_world ranks (rare) run without a pool, for the same
+    reason."""
 
     def __init__(self, max_ranks: int = 12, max_world: int = 4):
         self.max_ranks = max_ranks
         self.max_world = max_world
         self.pools: dict[tuple, Pool] = {}  # least recently used first
+        self.used: dict[tuple, int] = {}  # key -> jobs run, over all its pools
         self.closing: list[Pool] = []
 
     def run(self, fn, n: int, backend: str, args: tuple, timeout: float, variables: dict):
@@ -201,9 +204,12 @@ class Pools:
             pool = None
         if pool is None:
             while self.pools and sum(p.n for p in self.pools.values()) + n > self.max_ranks:
-                self._retire(self.pools.pop(next(iter(self.pools))))
+                # the kind that ran the fewest jobs; of equals the smaller, then the first
+                fewest = min(self.pools, key=lambda k: (self.used[k], self.pools[k].n))
+                self._retire(self.pools.pop(fewest))
             pool = Pool(n, backend, env)
         self.pools[key] = pool  # the most recently used, last
+        self.used[key] = self.used.get(key, 0) + 1
         try:
             return pool.run(fn, args, timeout, variables)
         except BaseException:  # a failed job ended the pool; an interrupt stops it
