@@ -39,7 +39,9 @@ Why a job equals a fresh start:
   without its name, which counts the groups held, being given to a later group whose
   rendezvous would then read the old one's addresses; and it keeps a thread that wakes every
   10 ms: 43 groups cost an idle rank 4% of a core).
-Lesson: lessons/01_processes_p2p/ (launch).
+Measured over the process tier's 43 pooled tests: 526 CPU-seconds started afresh, about 280 on
+pools; 14 mpi jobs on one 4-rank pool took 19 CPU-seconds in all, the same 14 on gloo 55 (four
+pools: their groups).
 """
 
 from __future__ import annotations
