@@ -33,6 +33,8 @@ Run: minidist conform pytorch
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -70,11 +72,8 @@ def reduce_scatter(comm, tensor, op):
 
 
 def all_gather(comm, chunk, shape):
-    n = 1
-    for side in shape:
-        n *= side
     p = dist.get_world_size(comm)
-    sizes = [hi - lo for lo, hi in _bounds(n, p)]
+    sizes = [hi - lo for lo, hi in _bounds(math.prod(shape), p)]
     if len(set(sizes)) > 1:  # gloo's allgather: "invalid tensor size at index ..."
         raise NotImplementedError(f"gloo's all_gather takes equal sizes only, not {sizes}")
     parts = [chunk.new_empty(size) for size in sizes]
@@ -309,14 +308,12 @@ def _pieces(model, of) -> list:
             shape, offset = compute_local_shape_and_global_offset(
                 q.shape, q.device_mesh, q.placements
             )
-            row = q[0].numel() if q.dim() > 0 else 1
-            lo = offset[0] * row if q.dim() > 0 else 0
-            held = {k: v.to_local() for k, v in held.items()} if isinstance(held, dict) else held
-            held = held if isinstance(held, dict) else held.to_local()
-            n = 1
-            for side in shape:
-                n *= side
-            pieces.append((name, lo, lo + n, held))
+            lo = offset[0] * q[0].numel() if q.dim() > 0 else 0  # FSDP2 shards rows of dim 0
+            if isinstance(held, dict):
+                held = {k: v.to_local() for k, v in held.items()}
+            else:
+                held = held.to_local()
+            pieces.append((name, lo, lo + math.prod(shape), held))
         else:
             pieces.append((name, 0, q.numel(), held))
     return pieces
