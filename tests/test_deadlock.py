@@ -8,12 +8,14 @@ under one. A program correct under rendezvous passes under buffered sends too.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 from torch import nn
 
+from minidist.comm.deadlock import Blocked, WaitForGraph
 from minidist.comm.protocol import Deadlock
 from minidist.comm.threads import ThreadsWorld
 from minidist.pipeline import schedules as sch
@@ -262,3 +264,56 @@ def test_a_pipeline_program_whose_stages_wait_for_each_other_is_named():
 def test_sends_must_be_named():
     with pytest.raises(ValueError, match="sends='eager' is not one of"):
         ThreadsWorld(2, sends="eager")
+
+
+@pytest.mark.threads
+def test_a_thread_freed_before_it_raises_a_deadlock_does_not_raise_it_later():
+    """Lesson 03's bug 4: rank 1 waits in an all-gather while rank 0 waits for it elsewhere.
+    Rank 0 finds the deadlock and raises it; before rank 1 wakes to raise it too, rank 0 comes
+    to the all-gather, so rank 1's wait ends without an error. Rank 1's next wait, on a correct
+    exchange, must not raise the deadlock that has passed (it once did, on a busy machine)."""
+    graph = WaitForGraph(2)
+    gathered = threading.Event()  # rank 0 has come to rank 1's all-gather
+    blocked, detected = threading.Event(), threading.Event()
+    seen = {}
+
+    def wait_for_rank_0(ready) -> Blocked:
+        return Blocked(lambda: "all_gather #8", ready, lambda: [0])
+
+    def rank_1():
+        with graph.cond:
+            graph.check(1, wait_for_rank_0(gathered.is_set))
+        blocked.set()
+        detected.wait(10)  # rank 1 sleeps through the detection, and wakes freed
+        with graph.cond:
+            graph.unblock()
+            try:  # its next wait: rank 0 is running, so it is no deadlock
+                graph.check(1, wait_for_rank_0(lambda: False))
+                seen[1] = "waits"
+            except Deadlock as e:
+                seen[1] = f"Deadlock: {e}"
+            graph.unblock()
+
+    def rank_0():
+        blocked.wait(10)
+        waits_for_1 = Blocked(lambda: "all_reduce #1", lambda: False, lambda: [1])
+        for _ in range(3):  # stuck, then confirmed CONFIRM seconds later
+            try:
+                with graph.cond:
+                    graph.check(0, waits_for_1)
+                time.sleep(0.6)
+            except Deadlock:
+                seen[0] = "Deadlock"
+                break
+        with graph.cond:
+            graph.unblock()
+        gathered.set()
+        detected.set()
+        time.sleep(0.5)  # running while rank 1 waits again
+
+    threads = [threading.Thread(target=rank_0), threading.Thread(target=rank_1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {0: "Deadlock", 1: "waits"}, seen

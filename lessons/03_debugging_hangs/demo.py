@@ -68,8 +68,8 @@ def main(comm) -> None:
             gathered.wait()
         except Deadlock:
             # threads: in bug 4 rank 1 waits here while the others wait for it in bug(): the
-            # world sees it and raises Deadlock on all four. This all-gather stays posted, so
-            # wait again: the others, freed, come to it
+            # world sees it and raises Deadlock on all four (on rank 1 only if it wakes before
+            # the others, freed, come here). This all-gather stays posted, so wait again
             gathered.wait()
         texts = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
         if comm.rank == 0:

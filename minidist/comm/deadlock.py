@@ -98,10 +98,8 @@ class WaitForGraph:
             self.blocked[me] = (rank, blocked)
             self.changes += 1
         if me in self.in_deadlock:
-            self.in_deadlock.discard(me)
             found = self.deadlock
-            if not self.in_deadlock:  # all have raised: a program that catches it goes on
-                self.deadlock = None
+            self._leave_deadlock(me)
             raise Deadlock(found)
         gone = [p for p in blocked.peers() if self._ended(p)]
         if gone:
@@ -136,9 +134,20 @@ class WaitForGraph:
         return now - self.suspected[1] >= CONFIRM
 
     def unblock(self) -> None:
-        """This thread is running again (holding cond)."""
-        if self.blocked.pop(threading.current_thread(), None) is not None:
+        """This thread is running again (holding cond). One named in a deadlock may leave its
+        wait without raising it: the others caught theirs and came to what it waited for
+        before it woke (lesson 03's bug 4, rank 1 in the all-gather of the reports). The
+        deadlock is over for it too: its next wait must not raise a deadlock that has passed."""
+        me = threading.current_thread()
+        if self.blocked.pop(me, None) is not None:
             self.changes += 1
+        self._leave_deadlock(me)
+
+    def _leave_deadlock(self, thread: threading.Thread) -> None:
+        """`thread` has raised the deadlock, or no longer waits in it."""
+        self.in_deadlock.discard(thread)
+        if not self.in_deadlock:  # all have raised: a program that catches it goes on
+            self.deadlock = None
 
     def _ended(self, rank: int) -> bool:
         """The harness said so (finish). Not guessed from threads: a rank's helper threads may
