@@ -194,11 +194,17 @@ def time_columns(comm, calls: dict, iters: int, warmup: int = 1, fill=None) -> d
     }
 
 
-def time_interleaved(comm, calls: dict, rounds: int, warmup: int = 1) -> dict:
-    """{name: median seconds, the slowest rank's} of implementations of one step timed in turn,
-    one call each per round, so that a machine that speeds up or slows down during the run
-    weighs on every column alike (the fair way to quote a ratio on a shared machine); None
-    where calls[name] is None."""
+def medians(rounds: dict) -> dict:
+    """{name: the median of its rounds} (None stays None)."""
+    return {name: None if t is None else statistics.median(t) for name, t in rounds.items()}
+
+
+def interleaved_rounds(comm, calls: dict, rounds: int, warmup: int = 1) -> dict:
+    """{name: [seconds of each round, the slowest rank's]} of implementations of one step timed
+    in turn, one call each per round after warmup untimed calls of each, so that a machine that
+    speeds up or slows down during the run weighs on every column alike (the fair way to quote
+    a ratio on a shared machine: medians for the columns, ratio_spread for how far one round's
+    ratio strays). None where calls[name] is None."""
     ready = {name: fn for name, fn in calls.items() if fn is not None}
     for fn in ready.values():
         for _ in range(warmup):
@@ -214,9 +220,26 @@ def time_interleaved(comm, calls: dict, rounds: int, warmup: int = 1) -> dict:
             times[name].append(time.perf_counter() - t0)
     found = {name: None for name in calls}
     for name, seen in times.items():
-        worst = torch.tensor([statistics.median(seen)], dtype=torch.float64)
-        found[name] = comm.all_reduce(worst, "max").item()
+        slowest = comm.all_reduce(torch.tensor(seen, dtype=torch.float64), "max")
+        found[name] = slowest.tolist()
     return found
+
+
+def ratio_spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """The middle half (first and third quartiles) of the per-round ratios ours / theirs of
+    two implementations timed in the same rounds: how far one round's ratio strays on this
+    machine, printed beside the ratio of the medians so that a reader can tell a difference
+    from the noise."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
+
+
+def spread_words(spread: tuple[float, float] | None) -> str:
+    """' (rounds 0.98-1.09)': ratio_spread's middle half, for a report line ('' for None)."""
+    return "" if spread is None else f" (rounds {spread[0]:.2f}-{spread[1]:.2f})"
 
 
 def max_over_ranks(comm, value: float) -> float:

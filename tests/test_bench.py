@@ -163,9 +163,11 @@ def test_bench_dp_times_torch_ddp_on_the_same_group(capfd):
     row = json.loads(lines[-1])
     assert row["torch_ddp"] > 0 and row["bucketed_library"] > 0
     assert row["ddp_ratio"] == pytest.approx(row["bucketed_library"] / row["torch_ddp"])
+    low, high = row["ddp_spread"]  # the per-round ratios' middle half
+    assert 0 < low <= high, row
     assert main([*argv, "--backend", "threads", "--steps", "1", "--json"]) == 0
     row = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
-    assert row["torch_ddp"] is None and row["ddp_ratio"] is None
+    assert row["torch_ddp"] is None and row["ddp_ratio"] is None and row["ddp_spread"] is None
 
 
 @pytest.mark.processes
@@ -178,6 +180,7 @@ def test_bench_zero_times_fsdp2_on_the_same_group(capfd):
     row = result["fsdp2"]
     assert row["zero3_ms"] > 0 and row["fsdp2_ms"] > 0 and row["grad_difference"] <= 1e-5, row
     assert row["ratio"] == pytest.approx(row["zero3_ms"] / row["fsdp2_ms"])
+    assert 0 < row["spread"][0] <= row["spread"][1], row
 
 
 @pytest.mark.processes
@@ -192,6 +195,7 @@ def test_bench_tp_times_torch_tensor_parallelism_on_the_same_group(capfd):
     assert row["difference"] <= 1e-5 and row["ratio"] == pytest.approx(
         row["ours_ms"] / row["torch_ms"]
     )
+    assert 0 < row["spread"][0] <= row["spread"][1], row
 
 
 @pytest.mark.threads
@@ -206,3 +210,20 @@ def test_bench_zero_and_tp_have_no_torch_column_on_threads(capsys):
     (row,) = json.loads(capsys.readouterr().out)["mlp"]
     assert row["ours_ms"] > 0 and row["torch_ms"] is None and row["ratio"] is None, row
     assert run_threads(beside_fsdp2, 2, None) == [None, None]  # before any model is built
+
+
+@pytest.mark.pure
+def test_the_ratio_spread_is_the_middle_half_of_the_per_round_ratios():
+    """Round k's ratio is ours[k] / theirs[k]; the spread is their first and third quartiles
+    (inclusive: quartiles of the values themselves), one round's ratio twice."""
+    from minidist.bench import medians, ratio_spread, spread_words
+
+    ours, theirs = [2.0, 3.0, 4.0, 5.0, 12.0], [2.0, 2.0, 2.0, 2.0, 2.0]
+    assert ratio_spread(ours, theirs) == (1.5, 2.5)  # ratios 1, 1.5, 2, 2.5, 6
+    assert ratio_spread([3.0], [2.0]) == (1.5, 1.5)
+    assert medians({"ours": ours, "theirs": theirs, "none": None}) == {
+        "ours": 4.0,
+        "theirs": 2.0,
+        "none": None,
+    }
+    assert spread_words((0.98, 1.094)) == " (rounds 0.98-1.09)" and spread_words(None) == ""

@@ -16,9 +16,10 @@ so the per-rank work is the same in every row of the table:
 overlap = (compute + comm - bucketed) / comm: the share of communication hidden behind
 backward (1: all of it, 0: none). efficiency = one process / bucketed: weak scaling. The
 implementations' columns are timed in interleaved rounds (one step of each per round, medians),
-so a shared machine's drift weighs on them alike. A sweep
-of bucket sizes shows the trade-off: small buckets start early but pay the latency term per
-collective; large ones pay it once but start late. Times are medians over --steps steps after
+so a shared machine's drift weighs on them alike; beside the ratio, "rounds" gives the middle
+half of the per-round ratios (how far one round strays: a difference inside it is the noise).
+A sweep of bucket sizes shows the trade-off: small buckets start early but pay the latency term
+per collective; large ones pay it once but start late. Times are medians over --steps steps after
 a barrier, the slowest rank's; measured side by side in one run on a shared machine.
 """
 
@@ -32,9 +33,12 @@ from torch import nn
 
 from minidist.bench import (
     Bench,
+    interleaved_rounds,
+    medians,
     rank_main,
+    ratio_spread,
+    spread_words,
     time_columns,
-    time_interleaved,
     time_it,
     torch_group,
 )
@@ -85,8 +89,12 @@ def measure(comm, args) -> dict:
         "torch_ddp": None if ddp is None else train_step(ddp, x),
     }
     row = time_columns(comm, steps, args.steps)
-    row.update(time_interleaved(comm, rivals, args.steps))
-    row["ddp_ratio"] = row["bucketed_library"] / row["torch_ddp"] if ddp is not None else None
+    rounds = interleaved_rounds(comm, rivals, args.steps)
+    row.update(medians(rounds))
+    row["ddp_ratio"] = row["ddp_spread"] = None
+    if ddp is not None:
+        row["ddp_ratio"] = row["bucketed_library"] / row["torch_ddp"]
+        row["ddp_spread"] = ratio_spread(rounds["bucketed_library"], rounds["torch_ddp"])
     hidden = row["compute"] + row["comm"] - row["bucketed_library"]
     row["overlap"] = max(0.0, min(1.0, hidden / row["comm"]))
     row["efficiency"] = row["one_process"] / row["bucketed_library"]
@@ -144,7 +152,11 @@ def report(row: dict, args) -> str:
         f"  bucketed library  {_ms(row['bucketed_library'])}",
         f"  bucketed ring     {_ms(row['bucketed_ring'])}",
         f"  torch DDP         {_ms(row['torch_ddp']) if row['torch_ddp'] else '        -'}"
-        + (f"   bucketed / DDP {row['ddp_ratio']:.2f}" if row["ddp_ratio"] else ""),
+        + (
+            f"   bucketed / DDP {row['ddp_ratio']:.2f}{spread_words(row['ddp_spread'])}"
+            if row["ddp_ratio"]
+            else ""
+        ),
         f"  overlap {row['overlap']:.2f}   scaling efficiency {row['efficiency']:.2f}",
         f"  ring bytes sent per step {row['bytes_per_step']:,} "
         f"(formula 2(p-1)/p (N+P) * 4 = {row['bytes_formula']:,.0f})",

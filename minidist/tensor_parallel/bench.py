@@ -26,11 +26,12 @@ nn.Linear pair with the same full weights under torch.distributed.tensor.paralle
 (B, T, D) replicated and requiring its gradient, so each moves one all-reduce of B*T*D forward
 and one backward. Outputs, dL/dx and each rank's slice of every gradient are compared first
 (refused above 1e-5 relative), then forward + backward of each per round
-(bench.time_interleaved): the ratio ours / torch. What differs is the cost around the same two
-all-reduces: each library collective of minidist's comms first agrees with the other ranks on
-its signature (comm/agreement.py: one more small gloo all-gather, a synchronisation of its
-own); DTensor instead pays Python dispatch on every operation of the layer (sharding
-propagation, redistribute), mostly in backward.
+(bench.interleaved_rounds): the ratio ours / torch of the medians, and under "rounds" the middle
+half of the per-round ratios (bench.ratio_spread: how far one round strays). What differs is
+the cost around the same two all-reduces: each library collective of minidist's comms first
+agrees with the other ranks on its signature (comm/agreement.py: one more small gloo
+all-gather, a synchronisation of its own); DTensor instead pays Python dispatch on every
+operation of the layer (sharding propagation, redistribute), mostly in backward.
 
 Tensor parallelism talks inside every layer, twice per direction, in the critical path: on this
 CPU machine the ranks share two cores and memory bandwidth, so expect little or no speedup; the
@@ -49,9 +50,11 @@ from torch import nn
 from minidist.bench import (
     Bench,
     device_of,
+    interleaved_rounds,
     max_over_ranks,
+    medians,
     rank_main,
-    time_interleaved,
+    ratio_spread,
     time_it,
     torch_group,
 )
@@ -161,7 +164,8 @@ def torch_mlp(tp_comm, d_model: int, d_ff: int) -> nn.Module | None:
 def beside_torch(tp_comm, args) -> dict:
     """ParallelMLP and torch's tensor-parallel MLP on tp_comm, the same weights and batch:
     outputs and gradients compared, then forward + backward of each per round
-    (time_interleaved). The torch column and the ratio None where there is no torch group."""
+    (interleaved_rounds: the ratio of the medians, and ratio_spread). The torch column and
+    the ratio None where there is no torch group."""
     d_ff = 4 * args.d_model
     ours = ParallelMLP(args.d_model, d_ff, tp_comm)
     theirs = torch_mlp(tp_comm, args.d_model, d_ff)
@@ -178,13 +182,15 @@ def beside_torch(tp_comm, args) -> dict:
         "ours": _step(ours, x_ours),
         "torch": None if theirs is None else _step(theirs, x_theirs),
     }
-    seconds = time_interleaved(tp_comm, steps, args.steps)
+    rounds = interleaved_rounds(tp_comm, steps, args.steps)
+    seconds = medians(rounds)
     torch_ms = None if theirs is None else seconds["torch"] * 1e3
     return {
         "tp": tp_comm.world_size,
         "ours_ms": seconds["ours"] * 1e3,
         "torch_ms": torch_ms,
         "ratio": None if theirs is None else seconds["ours"] / seconds["torch"],
+        "spread": None if theirs is None else ratio_spread(rounds["ours"], rounds["torch"]),
         "difference": difference,
     }
 
@@ -256,13 +262,18 @@ def report(result: dict, args) -> str:
         lines += [
             "MLP alone (fc1 column-, fc2 row-parallel), forward + backward in interleaved rounds, "
             "beside torch.distributed.tensor.parallel",
-            f"{'tp':>3} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>10} {'max diff':>9}",
+            f"{'tp':>3} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>10} {'rounds':>9} "
+            f"{'max diff':>9}",
         ]
     for row in result["mlp"]:
         if row["torch_ms"] is None:
-            torch_cells = f"{'-':>9} {'-':>10} {'-':>9}"
+            torch_cells = f"{'-':>9} {'-':>10} {'-':>9} {'-':>9}"
         else:
-            torch_cells = f"{row['torch_ms']:9.2f} {row['ratio']:10.2f} {row['difference']:9.1e}"
+            low, high = row["spread"]
+            torch_cells = (
+                f"{row['torch_ms']:9.2f} {row['ratio']:10.2f} {f'{low:.2f}-{high:.2f}':>9} "
+                f"{row['difference']:9.1e}"
+            )
         lines.append(f"{row['tp']:>3} {row['ours_ms']:9.2f} {torch_cells}")
     lines.append("times: one run on a shared machine (noisy); bytes and memory: exact")
     return "\n".join(lines)

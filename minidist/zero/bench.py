@@ -32,7 +32,8 @@ FSDP2 as fully_shard on every Linear and then the root on DeviceMesh.from_group 
 units), resharded after forward, each layer prefetching the next in forward and the previous
 in backward (ZeRO-3's prefetch). Their gradients after one backward are compared first
 (refused above 1e-5 relative; equal to the bit at p = 2), then one step of each per round
-(bench.time_interleaved): the ratio ZeRO-3 / FSDP2. What differs is when the bytes move. On
+(bench.interleaved_rounds): the ratio ZeRO-3 / FSDP2 of the medians, with the middle half of the
+per-round ratios (bench.ratio_spread). What differs is when the bytes move. On
 the CPU FSDP2 issues every all-gather and reduce-scatter blocking (async_op=False: on GPUs its
 overlap comes from CUDA streams, which the CPU lacks), so its prefetch starts the next gather
 early and then waits for it, and no communication hides behind compute; ZeRO-3's run on
@@ -56,9 +57,12 @@ from torch import nn
 from minidist.bench import (
     Bench,
     device_of,
+    interleaved_rounds,
     max_over_ranks,
+    medians,
     rank_main,
-    time_interleaved,
+    ratio_spread,
+    spread_words,
     time_it,
     torch_group,
 )
@@ -229,7 +233,8 @@ def fsdp2_line(row: dict | None, backend: str) -> str:
         return f"# FSDP2: - ({backend} has no torch.distributed process group)"
     return (
         f"# step ms, interleaved rounds: ZeRO-3 (library) {row['zero3_ms']:.1f}, FSDP2 "
-        f"fully_shard {row['fsdp2_ms']:.1f}: ZeRO-3 / FSDP2 {row['ratio']:.2f} (gradients "
+        f"fully_shard {row['fsdp2_ms']:.1f}: ZeRO-3 / FSDP2 {row['ratio']:.2f}"
+        f"{spread_words(row['spread'])} (gradients "
         f"differ by {row['grad_difference']:.1e}, relative)"
     )
 
@@ -293,7 +298,8 @@ def fsdp2(model: nn.Sequential, group, device_type: str) -> nn.Sequential:
 def beside_fsdp2(comm, cfg: argparse.Namespace) -> dict | None:
     """ZeRO-3 (library collectives) and FSDP2 on comm's process group, float32, Adam, the same
     model and batch: their gradients after one backward compared, then one step of each per
-    round (time_interleaved); None on a backend without a torch process group."""
+    round (interleaved_rounds: the ratio of the medians, and ratio_spread); None on a backend
+    without a torch process group."""
     group = torch_group(comm)
     if group is None:
         return None
@@ -324,11 +330,13 @@ def beside_fsdp2(comm, cfg: argparse.Namespace) -> dict | None:
         optimizer.step()
         optimizer.zero_grad()
 
-    seconds = time_interleaved(comm, {"zero3": ours_step, "fsdp2": theirs_step}, cfg.steps)
+    rounds = interleaved_rounds(comm, {"zero3": ours_step, "fsdp2": theirs_step}, cfg.steps)
+    seconds = medians(rounds)
     return {
         "zero3_ms": seconds["zero3"] * 1e3,
         "fsdp2_ms": seconds["fsdp2"] * 1e3,
         "ratio": seconds["zero3"] / seconds["fsdp2"],
+        "spread": ratio_spread(rounds["zero3"], rounds["fsdp2"]),
         "grad_difference": difference,
     }
 
