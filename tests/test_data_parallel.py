@@ -281,7 +281,7 @@ def test_buckets_launch_in_bucket_order_once_full():
     made ready out of order. Bucket 0 holds the others back; once it is full, every full
     bucket after it goes, in order; the end launches what is left, each bucket once."""
     dp_mod = impl("data_parallel.wrappers")
-    buckets = [dp_mod._Bucket([nn.Parameter(torch.zeros(2))]) for _ in range(4)]
+    buckets = [dp_mod._Bucket([nn.Parameter(torch.zeros(2))], 1) for _ in range(4)]
     model = types.SimpleNamespace(buckets=buckets, next_launch=0)
     model.launcher = RecordingLauncher(buckets)
     seen = []
@@ -294,17 +294,38 @@ def test_buckets_launch_in_bucket_order_once_full():
 
 
 @pytest.mark.pure
-def test_used_gradients_are_averaged_and_unused_ones_stay_none():
-    """After the all-reduce (lab 04.3 alone): the flat buffer [grads..., flags...] holds sums
-    over p ranks and, per parameter, how many ranks had a gradient."""
+def test_gradients_enter_the_bucket_divided_by_p():
+    """Before the all-reduce (lab 04.3 alone): each gradient is copied into its bucket view
+    divided by p, in one pass, leaving .grad as it was; None puts zeros there (over what the
+    view held); a .grad that is the view itself is divided in place."""
+    into = impl("data_parallel.wrappers")._into_bucket
+    q = nn.Parameter(torch.zeros(2, 1))
+    q.grad = torch.tensor([[4.0], [8.0]])
+    view = torch.full((2,), 9.0)
+    into(q, view, 4)
+    assert view.tolist() == [1.0, 2.0] and q.grad.tolist() == [[4.0], [8.0]], (view, q.grad)
+    q.grad = None
+    into(q, view, 4)
+    assert view.tolist() == [0.0, 0.0], "a rank without a gradient adds zeros"
+    flat = torch.tensor([6.0, 3.0])
+    q.grad = flat.view(2, 1)  # the bucket's view, kept from the last step and accumulated into
+    into(q, flat, 3)
+    assert flat.tolist() == [2.0, 1.0] and q.grad.data_ptr() == flat.data_ptr(), flat
+
+
+@pytest.mark.pure
+def test_used_gradients_become_views_and_unused_ones_stay_none():
+    """After the all-reduce (lab 04.4 alone): the flat buffer [grads..., flags...] holds the
+    averages and, per parameter, how many ranks had a gradient; each used .grad becomes its
+    view of the bucket (the default: nothing copied out)."""
     params = [
         nn.Parameter(torch.zeros(2, 1)),
         nn.Parameter(torch.zeros(3)),
         nn.Parameter(torch.zeros(())),
     ]
-    flat = torch.tensor([4.0, 8.0, 1.0, 2.0, 3.0, 6.0, 3.0, 0.0, 1.0])  # 6 sums, then 3 flags
+    flat = torch.tensor([1.0, 2.0, 1.0, 2.0, 3.0, 1.5, 3.0, 0.0, 1.0])  # 6 averages, 3 flags
     views = list(flat[:6].split([2, 3, 1]))
-    impl("data_parallel.wrappers")._used_and_average(flat, params, views, 4)
+    impl("data_parallel.wrappers")._keep_used(flat, params, views)
     assert torch.equal(params[0].grad, torch.tensor([[1.0], [2.0]])), params[0].grad
     assert params[1].grad is None, "no rank had a gradient: it stays None"
     assert torch.equal(params[2].grad, torch.tensor(1.5)), params[2].grad
@@ -312,19 +333,19 @@ def test_used_gradients_are_averaged_and_unused_ones_stay_none():
 
 
 @pytest.mark.pure
-def test_averages_go_into_each_gradients_own_memory_unless_views_are_asked_for():
-    """as_views=False (DataParallelBucketed's default): a .grad that exists receives the average
-    in place (the division is the copy, as DDP copies back); one that is None gets a new tensor;
-    neither aliases the bucket, so the next step's copy into it cannot change them."""
+def test_averages_are_copied_into_each_gradients_own_memory_when_views_are_not_asked_for():
+    """as_views=False (torch DDP's default): a .grad that exists receives the average in place;
+    one that is None gets a new tensor; neither aliases the bucket, so the next step's copy
+    into it cannot change them."""
     params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))]
     params[0].grad = torch.full((2,), 7.0)  # this rank's own gradient, already in the bucket
     own = params[0].grad
-    flat = torch.tensor([4.0, 8.0, 6.0, 2.0, 1.0])  # 3 sums, then 2 flags
+    flat = torch.tensor([1.0, 2.0, 1.5, 2.0, 1.0])  # 3 averages, then 2 flags
     views = list(flat[:3].split([2, 1]))
-    impl("data_parallel.wrappers")._used_and_average(flat, params, views, 4, as_views=False)
+    impl("data_parallel.wrappers")._keep_used(flat, params, views, as_views=False)
     assert params[0].grad is own and torch.equal(own, torch.tensor([1.0, 2.0])), own
     assert torch.equal(params[1].grad, torch.tensor([1.5])), params[1].grad
-    assert torch.equal(flat, torch.tensor([4.0, 8.0, 6.0, 2.0, 1.0])), "the bucket is unchanged"
+    assert torch.equal(flat, torch.tensor([1.0, 2.0, 1.5, 2.0, 1.0])), "the bucket is unchanged"
     flat.zero_()
     assert own.tolist() == [1.0, 2.0] and params[1].grad.tolist() == [1.5]
 

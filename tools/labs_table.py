@@ -32,7 +32,7 @@ LABS = {
         "folder": "lessons/04_data_parallel",
         "module": "minidist/data_parallel/wrappers.py",
         "impl": "data_parallel.wrappers",
-        "points": {"04.1": 3, "04.2": 4, "04.3": 3},
+        "points": {"04.1": 3, "04.2": 3, "04.3": 2, "04.4": 2},
         "grade": ["tests/test_data_parallel.py", "-m", "not processes"],
         "probe": [
             "tests/test_data_parallel.py",

@@ -11,13 +11,15 @@ ranks average their gradients with an all-reduce before the optimizer step.
 
 Equals: one process training on the whole batch with the loss a mean over the batch, when each
 rank's loss is the mean over its equal share: grad_full = (1/p) sum_r grad_r. float64: 1e-12
-relative (the reduction order differs from the single-process sum); the replicas are bitwise
-identical to each other after every step.
+relative (the reduction order differs from the single-process sum; the bucketed rung divides
+each gradient by p before the sum, as torch's DDP does); the replicas are bitwise identical to
+each other after every step.
 Communication per step, per rank (p ranks, N gradient elements of b bytes, P parameters): one
 all-reduce of N + P elements (a "used" flag rides along with each parameter); with the ring:
 2(p-1)/p * (N + P) * b bytes sent. Naive: P + 1 collectives; bucketed: one per bucket.
 Memory per rank: the whole model, its gradients and optimizer state (ZeRO removes that copy);
-bucketed: + the flat bucket buffers (none extra with grads_as_bucket_views: gradients live there).
+bucketed: the gradients live in the flat bucket buffers (grads_as_bucket_views, the default);
+with grads_as_bucket_views=False the buffers come on top of them.
 Ladder: DataParallelNaive (after backward, one all-reduce per parameter) -> DataParallelBucketed
 (buckets all-reduced asynchronously *during* backward, as soon as they fill: overlap) ->
 no_sync() (gradient accumulation: k micro-steps, one reduction).
@@ -86,16 +88,28 @@ def assign_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     # lab 04.1 end
 
 
-def _used_and_average(flat: torch.Tensor, params: list, views: list, p: int, as_views=True) -> None:
-    """After the all-reduce of [grads..., flags...]: average the grads; a parameter whose flag
-    sums to 0 was unused on every rank and keeps grad None. as_views: .grad becomes the bucket's
-    view, divided in place; else the average is written into .grad's own memory, the division
-    and the copy one pass (a .grad that is None gets a new tensor), as torch's DDP copies back."""
-    # lab 04.3 begin: flags = the last P elements; each used view / p into .grad, else grad None
+def _into_bucket(param: nn.Parameter, view: torch.Tensor, p: int) -> None:
+    """Before the all-reduce: view <- param.grad / p, the copy and the division one pass, so
+    that the sum the all-reduce returns is already the average (torch's DDP divides here too).
+    A .grad that is None contributes zero; one that already lives in the view (a bucket view
+    kept from the last step, accumulated into) is divided in place."""
+    # lab 04.3 begin: view <- .grad / p in one pass (zeros for None, in place if .grad is view)
     raise NotImplementedError(
-        "Lab 04.3: flags = the last P elements; each used view / p into .grad, else grad None"
+        "Lab 04.3: view <- .grad / p in one pass (zeros for None, in place if .grad is view)"
     )
     # lab 04.3 end
+
+
+def _keep_used(flat: torch.Tensor, params: list, views: list, as_views: bool = True) -> None:
+    """After the all-reduce of [grads / p..., flags...]: each view holds its average; a
+    parameter whose flag sums to 0 was unused on every rank and keeps grad None. as_views: .grad
+    becomes the bucket's view (nothing copied out); else the average is copied into .grad's own
+    memory (a .grad that is None gets a new tensor), as torch's DDP copies back by default."""
+    # lab 04.4 begin: flags = the last P elements; each used average into .grad, else grad None
+    raise NotImplementedError(
+        "Lab 04.4: flags = the last P elements; each used average into .grad, else grad None"
+    )
+    # lab 04.4 end
 
 
 class DataParallelNaive(nn.Module):
@@ -126,10 +140,12 @@ class DataParallelNaive(nn.Module):
 
 
 class _Bucket:
-    """Parameters reduced together: one flat buffer [grad_0, grad_1, ..., flags] (same dtype)."""
+    """Parameters reduced together: one flat buffer [grad_0 / p, grad_1 / p, ..., flags] (same
+    dtype), p the number of ranks that average them."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], p: int):
         self.params = params
+        self.p = p
         n = sum(p.numel() for p in params)
         self.flat = torch.zeros(n + len(params), dtype=params[0].dtype, device=params[0].device)
         sizes = [p.numel() for p in params] + [len(params)]
@@ -141,17 +157,9 @@ class _Bucket:
         for i, param in enumerate(self.params):
             if not self.ready[i]:  # no gradient this backward: what .grad holds still counts
                 # (accumulated in earlier no_sync micro-steps, or zeros); None contributes zero
-                _copy_grad(param, self.views[i])
+                _into_bucket(param, self.views[i], self.p)
             self.flags[i] = float(self.ready[i] or param.grad is not None)
         self.work = launcher.all_reduce(self.flat)
-
-
-def _copy_grad(param: nn.Parameter, view: torch.Tensor) -> None:
-    """view <- param.grad (zeros if None), unless .grad already lives in the view."""
-    if param.grad is None:
-        view.zero_()
-    elif param.grad.data_ptr() != view.data_ptr():
-        view.copy_(param.grad.reshape(-1))
 
 
 class DataParallelBucketed(nn.Module):
@@ -161,6 +169,12 @@ class DataParallelBucketed(nn.Module):
     module.parameters()) and launched strictly in bucket order, so every rank issues the same
     collectives in the same order even when some parameters are unused on some ranks; buckets
     still waiting at the end of backward are launched by finish_gradient_sync.
+
+    Each gradient enters its bucket divided by p, the copy and the division one pass, so the
+    all-reduce returns the average. grads_as_bucket_views (the default, torch DDP's
+    gradient_as_bucket_view=True): after finish_gradient_sync each .grad is a view of its bucket,
+    nothing copied out and no second buffer; False: .grad keeps its own memory and the average is
+    copied into it (torch DDP's default).
     """
 
     def __init__(
@@ -169,7 +183,7 @@ class DataParallelBucketed(nn.Module):
         comm,
         bucket_bytes: int = 1 << 20,
         algorithm: str = "library",
-        grads_as_bucket_views: bool = False,
+        grads_as_bucket_views: bool = True,
     ):
         super().__init__()
         self.module, self.comm = module, comm
@@ -179,7 +193,8 @@ class DataParallelBucketed(nn.Module):
         for group in _by_dtype(params):  # a flat buffer holds one dtype
             nbytes = [p.numel() * p.element_size() for p in group]
             self.buckets += [
-                _Bucket([group[i] for i in b]) for b in assign_buckets(nbytes, bucket_bytes)
+                _Bucket([group[i] for i in b], comm.world_size)
+                for b in assign_buckets(nbytes, bucket_bytes)
             ]
         self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.next_launch = 0
@@ -226,7 +241,7 @@ class DataParallelBucketed(nn.Module):
                 "a gradient arrived after its bucket was reduced: call backward once per step "
                 "(use no_sync() to accumulate over micro-steps)"
             )
-        _copy_grad(param, bucket.views[i])
+        _into_bucket(param, bucket.views[i], bucket.p)
         bucket.ready[i] = True
         self._launch_ready(all_remaining=False)
         for launched in self.buckets[: self.next_launch]:
@@ -245,10 +260,9 @@ class DataParallelBucketed(nn.Module):
     def finish_gradient_sync(self) -> None:
         """Launch what is left, wait for every bucket, and leave averaged gradients in .grad."""
         self._launch_ready(all_remaining=True)
-        p = self.comm.world_size
         for bucket in self.buckets:
             bucket.work.wait()
-            _used_and_average(bucket.flat, bucket.params, bucket.views, p, self.views_as_grads)
+            _keep_used(bucket.flat, bucket.params, bucket.views, self.views_as_grads)
             bucket.ready = [False] * len(bucket.params)
             bucket.work = None
         self.next_launch = 0

@@ -234,23 +234,32 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "04",
         "04.3",
-        "missing average: the gradients stay summed over the ranks",
-        "torch.div(view.view_as(param), p, out=param.grad)",
-        "param.grad.copy_(view.view_as(param))",
+        "missing average: the gradients enter the bucket undivided and come back summed",
+        "torch.div(param.grad.reshape(-1), p, out=view)",
+        "view.copy_(param.grad.reshape(-1))",
     ),
     Mutant(
         "04",
         "04.3",
-        "averaged over the ranks that used the parameter, not over p",
-        "torch.div(view.view_as(param), p, out=param.grad)",
-        "torch.div(view.view_as(param), used, out=param.grad)",
+        "a rank without a gradient leaves the bucket's last contents in the sum",
+        "        view.zero_()",
+        "        pass",
     ),
     Mutant(
         "04",
-        "04.3",
+        "04.4",
         "a parameter no rank used gets a zero gradient (the optimizer then moves it)",
         "param.grad = None  # no rank used it: as in one process",
         "param.grad = view.view_as(param).zero_()",
+    ),
+    Mutant(
+        "04",
+        "04.4",
+        "views asked for, but each .grad gets a copy of its average (a second buffer)",
+        "        elif as_views:\n            param.grad = view.view_as(param)\n        elif",
+        "        elif as_views:\n"
+        "            param.grad = view.view_as(param).clone()\n"
+        "        elif",
     ),
     # ---- 05: tensor parallelism (minidist/tensor_parallel/layers.py) -----------------------------
     Mutant(

@@ -7,7 +7,8 @@ Beyond the public tests: assign_buckets on hand-made lists (a bucket closes at e
 bucket_bytes, the partial last one stays, a tensor larger than the limit sits alone); buckets
 launched in order when a middle layer is unused on one rank only (a bucket launched as soon as
 it is full would pair one rank's bucket with another's of the same shape: silently wrong sums);
-the average over all p ranks of a parameter only some ranks used, on an odd world.
+the average over all p ranks of a parameter only some ranks used, on an odd world (04.3), and
+the gradient of a parameter no rank used left None (04.4).
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ def test_04_2_buckets_launch_in_order_when_a_layer_is_unused_on_one_rank(bucket_
     run_threads(unused_on_one_rank, 3, bucket_bytes, **FAST)
 
 
-def used_by_some(comm) -> None:
-    """p = 3; w used by ranks 0 and 2 only (rank 1 runs no backward), v by none: w.grad is
-    (g0 + g2) / 3 (integer-valued sums, one division), v.grad stays None, on every rank."""
+def used_by_some(comm, check: str) -> None:
+    """p = 3; w used by ranks 0 and 2 only (rank 1 runs no backward), v by none. check
+    "average": w.grad is (g0 + g2) / 3 on every rank (integer-valued, each divided by 3 before
+    the sum: equal to one division after it within a few ulps); "unused": v.grad stays None and
+    w.grad exists, on every rank."""
     dp = impl("data_parallel.wrappers")
     model = nn.Module()
     model.w = nn.Parameter(torch.zeros(3, dtype=F64))
@@ -97,12 +100,20 @@ def used_by_some(comm) -> None:
     if r != 1:
         (model.w * torch.tensor([1.0, 2.0, 3.0], dtype=F64) * (r + 1)).sum().backward()
     wrapped.finish_gradient_sync()
+    if check == "unused":
+        ok = model.v.grad is None and model.w.grad is not None
+        verdict(comm, ok, f"rank {r}: v.grad {model.v.grad}, w.grad {model.w.grad}")
+        return
     want = torch.tensor([1.0, 2.0, 3.0], dtype=F64) * (1 + 3) / 3
-    ok = model.v.grad is None and model.w.grad is not None
-    verdict(comm, ok, f"rank {r}: v.grad {model.v.grad}, w.grad {model.w.grad}")
-    check_all(comm, {"w.grad": (model.w.grad, want)}, rtol=1e-15, atol=0)
+    got = model.w.grad if model.w.grad is not None else torch.full((3,), float("nan"), dtype=F64)
+    check_all(comm, {"w.grad": (got, want)}, rtol=1e-15, atol=0)
 
 
 @pytest.mark.threads
 def test_04_3_gradients_are_averaged_over_all_p_ranks_even_where_unused():
-    run_threads(used_by_some, 3, **FAST)
+    run_threads(used_by_some, 3, "average", **FAST)
+
+
+@pytest.mark.threads
+def test_04_4_a_parameter_no_rank_used_keeps_grad_none():
+    run_threads(used_by_some, 3, "unused", **FAST)
