@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from minidist.comm.protocol import OPS, CommTimeout, Deadlock, PeerFailed
 from minidist.launch.launcher import launch
 from minidist.launch.pool import Pools
+from minidist.launch.processes import write_whole
 from minidist.launch.thread_ranks import run_thread_ranks
 
 PROCESS_BACKENDS = ("mpi", "gloo")
@@ -226,12 +227,7 @@ def _worker(folder: str) -> None:
     result = fn(comm, *args)
     # every rank finishes its work before any leaves (a leaving rank can close links)
     comm.barrier()
-    with open(os.path.join(folder, f"rank{comm.rank}.pkl.tmp"), "wb") as f:
-        pickle.dump(result, f)
-    os.replace(
-        os.path.join(folder, f"rank{comm.rank}.pkl.tmp"),
-        os.path.join(folder, f"rank{comm.rank}.pkl"),
-    )
+    write_whole(os.path.join(folder, f"rank{comm.rank}.pkl"), pickle.dumps(result))
 
 
 def impl(name: str):

@@ -27,6 +27,7 @@ from minidist.comm.threads import ThreadsWorld
 from minidist.conform.adapter import SERVES, Rank, comm_kind, load, missing
 from minidist.conform.checks import Check, Problem, Unavailable, draw
 from minidist.launch.launcher import launch
+from minidist.launch.processes import write_whole
 from minidist.launch.thread_ranks import run_thread_ranks
 
 PROCESS_WORLD = 4  # processes per job: world sizes 1..4 by splitting
@@ -263,9 +264,7 @@ def rank_job(folder: str) -> None:
             records.append(_case_in_rank(subs[k], adapter, check, case) if comm.rank < k else None)
             comm.barrier()  # the ranks outside wait, so the next case starts together
         name = os.path.join(folder, f"check{i}.rank{comm.rank}.pkl")
-        with open(name + ".tmp", "wb") as f:
-            pickle.dump(records, f)
-        os.replace(name + ".tmp", name)
+        write_whole(name, pickle.dumps(records))
     comm.barrier()  # every rank finishes its work before any leaves
 
 

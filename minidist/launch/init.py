@@ -39,6 +39,7 @@ import traceback
 from minidist.comm.checked import CheckedComm
 from minidist.comm.protocol import DEFAULT_TIMEOUT, CommTimeout, PeerFailed
 from minidist.comm.threads import ThreadsWorld
+from minidist.launch.processes import write_whole
 from minidist.launch.watchdog import FolderRoll
 
 BACKENDS = ("threads", "mpi", "gloo", "nccl")
@@ -177,12 +178,9 @@ def _install_failure_hook(comm) -> None:
         folder = os.environ.get("MINIDIST_FAILURE_DIR")
         if folder:  # a PeerFailed is a consequence of another rank's failure: mark it so
             suffix = "after" if isinstance(value, PeerFailed) else "txt"
-            path = os.path.join(folder, f"rank{comm.rank}.{suffix}")
-            with open(path + ".tmp", "w") as f:
-                f.write(text)
             # at once whole: a launcher that read it half written took an empty file for a
             # rank that failed on its own (a rank that timed out, blamed for the hang)
-            os.replace(path + ".tmp", path)
+            write_whole(os.path.join(folder, f"rank{comm.rank}.{suffix}"), text.encode())
         if folder and isinstance(value, CommTimeout):
             time.sleep(5)  # stay: the launcher takes the stack of the rank it waited for first
         elif comm.backend == "mpi" and comm.world_size > 1 and not folder:

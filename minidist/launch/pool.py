@@ -72,6 +72,7 @@ JOBS = 16  # jobs a pool serves before it retires (43 communicators a job at mos
 GROUPS = 24
 WAIT_THREADS = 1.0  # seconds a job's threads get to end after it (a dropped executor's worker)
 POLL = 0.005  # seconds between two looks for the ranks' results
+_POOL_WORKER = os.path.join("concurrent", "futures", "thread.py")  # a thread pool's worker loop
 
 
 class Pool:
@@ -128,9 +129,7 @@ class Pool:
         k = self.jobs
         self.jobs += 1
         path = os.path.join(self.folder, f"job{k}.pkl")
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump((fn, args, variables, os.getcwd()), f)
-        os.replace(path + ".tmp", path)
+        processes.write_whole(path, pickle.dumps((fn, args, variables, os.getcwd())))
         with self.telling:
             for fd in self.fifos:
                 os.write(fd, f"{k}\n".encode())
@@ -303,9 +302,7 @@ def serve(folder: str) -> None:
             reuse = not left and not _running(threads) and _groups(world) <= GROUPS
             gc.freeze()
             path = os.path.join(folder, f"result{k}.rank{world.rank}.pkl")
-            with open(path + ".tmp", "wb") as f:
-                pickle.dump((result, reuse), f)
-            os.replace(path + ".tmp", path)
+            processes.write_whole(path, pickle.dumps((result, reuse)))
             if not reuse:
                 return  # the exit check runs as the rank ends, under the job's variables
 
@@ -338,9 +335,6 @@ def _idle_worker(frame) -> bool:
         return False
     code = frame.f_code
     return code.co_name == "_worker" and code.co_filename.endswith(_POOL_WORKER)
-
-
-_POOL_WORKER = os.path.join("concurrent", "futures", "thread.py")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ connections, and the next job would meet it. So `start` makes every child the le
 process group (all it starts, mpiexec's ranks too, can be signalled at once) and, on Linux, asks
 the kernel to send it SIGTERM when the launcher dies (PR_SET_PDEATHSIG, however the launcher
 ends); `stop` sends each group SIGTERM, then SIGKILL after 3 s; `exit_on_sigterm` turns the
-launcher's own SIGTERM into SystemExit, so its `finally` runs `stop`. Used by launch/launcher.py
-only.
+launcher's own SIGTERM into SystemExit, so its `finally` runs `stop`. Starting and stopping are
+launch/launcher.py's alone.
 
 Standard input goes to rank 0 alone, and nothing reads ahead of it: a rank that reads no input
 leaves the caller's lines where they were (`minidist run` inside a shell `while read` loop
@@ -24,6 +24,10 @@ Its `finally` removes it; a launcher killed by SIGKILL runs no `finally`, so eac
 lock (flock) for as long as its launcher lives (the kernel drops it when the process dies, by
 any signal), and every launch first removes the folders whose lock it can take (`job_folder`):
 their launcher is gone. A folder is born locked: made under a hidden name, locked, then renamed.
+
+What the processes of a job leave each other in a folder (a rank's traceback, a job for a pool,
+a rank's result) is written with `write_whole`: aside, then renamed, so the process that polls
+for the file finds nothing or all of it, never a file half written.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ import time
 
 STDIN_FD = "MINIDIST_STDIN_FD"  # the launcher's standard input, passed down to mpi's rank 0
 JOB_PREFIX = "minidist-run-"  # a launcher's folder, in the temporary folder (TMPDIR)
+
+
+def write_whole(path: str, data: bytes) -> None:
+    """Write data to path at once whole: aside, then renamed (one atomic step on POSIX)."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 def job_folder(prefix: str = JOB_PREFIX, min_age: float = 0.0) -> tuple[str, int]:

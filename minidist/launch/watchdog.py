@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from minidist.comm.exits import Ended
 from minidist.comm.protocol import DEFAULT_TIMEOUT
+from minidist.launch.processes import write_whole
 
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 STACK_SIGNAL = signal.SIGUSR2
@@ -90,10 +91,7 @@ class Outcome:
 
 
 def _write(folder: str, name: str, text: str) -> None:
-    path = os.path.join(folder, name)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)  # atomic: the launcher never reads half a file
+    write_whole(os.path.join(folder, name), text.encode())  # the launcher never reads half
 
 
 def rank_main(argv: list[str]) -> None:
