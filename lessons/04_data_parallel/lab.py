@@ -43,6 +43,10 @@ Decisions a user must know:
   (the flag that rides along with each parameter's gradient tells which case it is). A .grad
   that exists but got nothing in this backward (accumulated in no_sync micro-steps, or zeroed
   with set_to_none=False) is reduced as it is.
+- Gradients are views of the buckets (DataParallelBucketed's grads_as_bucket_views, the
+  default, as torch DDP's gradient_as_bucket_view=True): the next step's backward writes into
+  the same memory, so a .grad kept past its step must be cloned. grads_as_bucket_views=False
+  gives each .grad its own memory (torch DDP's default).
 - Uneven shares are rejected by `shard` (averaging per rank would weight samples unequally).
 """
 
@@ -146,9 +150,9 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter], p: int):
         self.params = params
         self.p = p
-        n = sum(p.numel() for p in params)
+        n = sum(q.numel() for q in params)
         self.flat = torch.zeros(n + len(params), dtype=params[0].dtype, device=params[0].device)
-        sizes = [p.numel() for p in params] + [len(params)]
+        sizes = [q.numel() for q in params] + [len(params)]
         *self.views, self.flags = self.flat.split(sizes)  # views: (numel_i,) into flat
         self.ready = [False] * len(params)
         self.work = None
