@@ -14,10 +14,11 @@ Left out: PTD GPT-174.6B on 384 A100 (Narayanan Table 2) (tp and pp not stated (
 (Narayanan Table 2) (the same); OPT-175B on 992 A100-80GB (tensor-parallel size and batch in
 sequences not stated). Not yet added (FP8 and context parallelism are modelled now): NeMo 24.07
 GPT3-175B FP8 on 128 and on 512 H100; NeMo 24.07 LLAMA3-70B FP8 on 64 H100; NeMo 24.07 LLAMA3-8B
-FP8 on 8 H100; Megatron-Bridge 25.11 Llama 3.1 405B FP8-CS on 1024 H100. Left out of its
-DGX-H100 mixtures of experts: GPT OSS 120B (its row's GA of 2 contradicts GBS 512 / (MBS 4 x
-DP 16) = 8; and attention sinks and alternating sliding windows, not modelled) and Qwen3
-235B-A22B (its row's columns are shifted: one value short). Qwen3-30B-A3B is r54.
+FP8 on 8 H100. Megatron-Bridge 25.11's DGX-H100 table: Qwen3-30B-A3B is r54, LLAMA3_70B r55,
+LLAMA3.1_405B r56; left out: LLAMA3_8B (its recipe recomputes 5 of the 32 layers,
+recompute_num_layers=5, which no Layout expresses), GPT OSS 120B (its row's GA of 2 contradicts
+GBS 512 / (MBS 4 x DP 16) = 8; and attention sinks and alternating sliding windows, not
+modelled) and Qwen3 235B-A22B (its row's columns are shifted: one value short).
 """
 
 SOURCES = {
@@ -59,7 +60,11 @@ SOURCES = {
     "mb25": (
         "NVIDIA NeMo Megatron-Bridge, docs/performance-summary.md, '25.11 NeMo Container', "
         "Pre-Training Performance, System: DGX-H100 (docs.nvidia.com/nemo/megatron-bridge/latest/"
-        "performance-summary.html); the model's shape from Qwen/Qwen3-30B-A3B's config.json"
+        "performance-summary.html); the model's shape from Qwen/Qwen3-30B-A3B's config.json; "
+        "what the table leaves out of the Llama rows' layouts from the repository's v0.2.0 tag "
+        "(2025-11-26, the release before the 25.11 table): scripts/performance/configs/llama3/ "
+        "and llama31/ (workload_base_configs.py, *_llm_pretrain.py) and "
+        "src/megatron/bridge/recipes/llama/llama3.py"
     ),
 }
 
@@ -95,9 +100,11 @@ NO_INTERLEAVING = ("s22", "b22", "x22")
 # "attention-dropout": 0); MosaicML's MPT (llm-foundry's MPTConfig defaults attn_pdrop,
 # resid_pdrop and emb_pdrop to 0.0, and the benchmarked yamls set none of them); Llama (the
 # released model code, meta-llama/llama llama/model.py, has no dropout layer, and the paper
-# names none). Megatron-LM's and Megatron-DeepSpeed's runs keep their default of 0.1 (BLOOM's
-# tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
-NO_DROPOUT = ("x22", "m23", "d24", "t24")
+# names none); Megatron-Bridge's Llama and Qwen3 models (src/megatron/bridge/models/llama/
+# llama_provider.py and qwen/qwen_provider.py at its v0.2.0 tag: hidden_dropout and
+# attention_dropout 0.0). Megatron-LM's and Megatron-DeepSpeed's runs keep their default of 0.1
+# (BLOOM's tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
+NO_DROPOUT = ("x22", "m23", "d24", "t24", "mb25")
 
 # Whose output layer is the embedding's matrix, its parameters counted once (plan.Shape.tied), as
 # each source counts them: Megatron-LM's GPT computes the logits with the word embeddings' weight
@@ -115,7 +122,10 @@ TIED = ("n21", "k22", "s22", "b22", "m23")
 # 126 layers on 16 stages that leaves a chunk empty only if a chunk holds one layer: 126 + 2
 # slots over 16 ranks, v = 8 chunks each (derived, the paper names no V; its bubble, (PP - 1) /
 # (V M), then doubles from 8,192 GPUs, M = 32, to 16,384, M = 16, as its MFU falls 43% -> 41%).
-ENDS = ("d24",)
+# Megatron-Bridge's Llama 3.1 405B (r56) likewise: llama31_405b_pretrain_config sets
+# account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split (its
+# recipes/llama/llama3.py), 126 + 2 slots over 8 stages of v = 8 chunks. A source or a row.
+ENDS = ("d24", "r56")
 
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
@@ -204,6 +214,8 @@ RUNS = {
     "r52": ("L32h4096s131072v128", "t24", "H100", 102, 8, 1, 1, 1, 3, 1, 2, "full", 0, 1),
     "r53": ("L80h8192s8192v128", "t24", "H100", 102, 256, 8, 1, 1, 3, 16, 512, "full", 1, 1),
     "r54": ("L48h2048e128", "mb25", "H100", 80, 16, 1, 2, 24, 1, 2, 512, "none", 0, 1),
+    "r55": ("L80h8192s8192v128", "mb25", "H100", 80, 64, 4, 8, 5, 1, 1, 128, "none", 1, 1),
+    "r56": ("L126h16384s8192v128", "mb25", "H100", 80, 1024, 8, 8, 8, 1, 1, 512, "none", 1, 1),
 }
 
 # What the columns of RUNS cannot hold: context parallelism, FP8, and the GPUs' memory bandwidth
@@ -216,6 +228,8 @@ MORE = {
     "r52": {"cp": 4, "fp8": True},
     "r53": {"fp8": True},
     "r54": {"ep": 8, "fp8": True},
+    "r55": {"fp8": True},
+    "r56": {"cp": 2, "fp8": True},
 }
 MEMORY_BW = {"t24": 2400e9}
 
@@ -272,6 +286,8 @@ REPORTED = {
     "r52": ("tokens", 1071),
     "r53": ("tokens", 897),
     "r54": ("tokens", 5275),
+    "r55": ("tokens", 1602),
+    "r56": ("tokens", 292),
 }
 
 NAMES = {
@@ -326,6 +342,8 @@ NAMES = {
     "r52": "TorchTitan FSDP2 CP4 Float8 Llama 3.1 8B on 8 H100, seq 131072",
     "r53": "TorchTitan FSDP32 TP8 Float8 Llama 3.1 70B on 256 H100, seq 8192",
     "r54": "Megatron-Bridge Qwen3-30B-A3B MoE PP2 VP24 EP8 FP8 on 16 H100, seq 4096",
+    "r55": "Megatron-Bridge Llama 3 70B TP4 PP8 VP5 FP8 on 64 H100, seq 8192",
+    "r56": "Megatron-Bridge Llama 3.1 405B TP8 PP8 CP2 VP8 FP8 on 1024 H100, seq 8192",
 }
 
 # What section 3.3.2 of Dubey et al. states of both Llama 3 rows' layout.
@@ -551,6 +569,18 @@ EVIDENCE = {
         "TFLOP / sec / GPU); 'In MoE training benchmarks, we force-balance the token "
         "distribution among experts and all benchmarks are token-dropless.'"
     ),
+    "r55": (
+        "25.11 NeMo Container, Pre-Training Performance, System: DGX-H100: LLAMA3_70B | 64 | "
+        "FP8-CS | 128 | 1 | 8192 | 0 | 4 | 8 | 1 | 5 | 1 | 64 | 1602 | 719 (#-GPUs, Precision, "
+        "GBS, MBS, Sequence Length, FSDP, TP, PP, CP, VP, EP, GA, Tokens / sec / GPU, Model "
+        "TFLOP / sec / GPU)"
+    ),
+    "r56": (
+        "25.11 NeMo Container, Pre-Training Performance, System: DGX-H100: LLAMA3.1_405B | 1024 "
+        "| FP8-CS | 512 | 1 | 8192 | 0 | 8 | 8 | 2 | 8 | 1 | 64 | 292 | 737 (#-GPUs, Precision, "
+        "GBS, MBS, Sequence Length, FSDP, TP, PP, CP, VP, EP, GA, Tokens / sec / GPU, Model "
+        "TFLOP / sec / GPU)"
+    ),
 }
 
 
@@ -574,6 +604,18 @@ TORCHTITAN_ASSUMED = [
     "flash attention (PyTorch's scaled dot product attention)",
     "FSDP as ZeRO-3 a transformer block a unit",
     "the 500 W power limit not priced",
+]
+
+# What Megatron-Bridge's 25.11 table leaves to us of its Llama rows, read from the v0.2.0 tag
+# (SOURCES["mb25"]); its performance recipes also overlap tensor-parallel traffic with the
+# matmuls (tp_comm_overlap with Transformer Engine's userbuffers: recipes/llama/llama3.py), which
+# the planner does not price.
+MEGATRON_BRIDGE_LLAMA_ASSUMED = [
+    "Megatron-Core's distributed optimizer as ZeRO-1 (use_distributed_optimizer=True)",
+    "sequence parallelism (WorkloadBaseConfig.sequence_parallel: tp > 1)",
+    "no activation recompute (the H100 FP8 presets set none)",
+    "flash attention at FlashAttention-2's rates (Transformer Engine's fused attention)",
+    "tensor-parallel traffic exposed (the recipes' tp_comm_overlap not priced)",
 ]
 
 ASSUMED = {
@@ -638,4 +680,6 @@ ASSUMED = {
         "the expert-parallel group placed as minidist's mesh places dp, pp inside it (Megatron "
         "puts pp outermost, so its ep 8 stays on one node's NVLink)",
     ],
+    "r55": MEGATRON_BRIDGE_LLAMA_ASSUMED,
+    "r56": MEGATRON_BRIDGE_LLAMA_ASSUMED,
 }

@@ -52,7 +52,7 @@ def cluster_of(rid: str) -> cluster.Cluster:
 
 def layout_of(rid: str) -> plan.Layout:
     _, source, _, _, gpus, tp, pp, v, zero, b, _, recompute, sp, _ = published.RUNS[rid]
-    ends = source in published.ENDS
+    ends = source in published.ENDS or rid in published.ENDS
     more = published.MORE.get(rid, {})
     dp = gpus // (tp * pp * more.get("cp", 1))
     return plan.Layout(dp, pp, tp, v, zero, b, recompute, bool(sp), ends=ends, **more)
@@ -211,7 +211,9 @@ RANKING = {
     "r51": 0.0,
     "r52": 0.0,
     "r53": 0.0,
-    "r54": 0.0,
+    "r54": 0.07,
+    "r55": INF,
+    "r56": 0.0,
 }
 
 
@@ -240,7 +242,7 @@ def test_the_error_band_is_drawn_from_these_errors():
     low, high = plan.error_band(10.0)
     assert (low, high) == pytest.approx((10 / (1 + percentile(0.9)), 10 / (1 + percentile(0.1))))
     inside = [e for e in errors if percentile(0.1) <= e <= percentile(0.9)]
-    assert abs(len(inside) / len(errors) - 0.8) < 0.05, len(inside)  # 38 of 48 runs
+    assert abs(len(inside) / len(errors) - 0.8) < 0.05, len(inside)  # 40 of 50 runs
 
 
 def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
@@ -258,8 +260,15 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     # interleaved by 3 (5.8% faster: a third of the bubble), as the paper's table 1 ran the
     # same model on the same tp8 pp35 with v = 3 (163 TFLOP/s on 2520 GPUs, 280 microbatches
     # as here, against this row's 159): v = 1 is the row's assumption (published.ASSUMED);
-    # Llama 3's long-context stage (r40): memory, as r38 and r39 (82 GB a GPU in the model)
-    assert misses == ["r03", "r04", "r21", "r37", "r38", "r39", "r40"], misses
+    # Llama 3's long-context stage (r40): memory, as r38 and r39 (82 GB a GPU in the model);
+    # Qwen3-30B-A3B (r54): the planner prefers pp 1 x dp 16 (7.0% faster), whose ep group of 8
+    # is one node's, where the published pp 2 puts it across two nodes in minidist's rank order
+    # (dp inside pp: published.ASSUMED; Megatron puts pp outermost and keeps ep 8 on NVLink), so
+    # its all-to-alls cost 8.6 s of the predicted 20.1 against 1.6; Megatron-Bridge's Llama 3
+    # 70B (r55): memory, 76.8 GB a GPU in the model (52.8 GB of activations: every one stored at
+    # 2 bytes, the 1F1B schedule's microbatches in flight on the first stage), over the 72 GB
+    # the plan allows itself of 80; what the run kept in FP8 or freed early is not published
+    assert misses == ["r03", "r04", "r21", "r37", "r38", "r39", "r40", "r54", "r55"], misses
 
 
 def test_llama3_ranks_first_among_the_layouts_that_fit_its_own_memory():
