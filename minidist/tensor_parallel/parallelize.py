@@ -34,10 +34,11 @@ def apply_tp(layers: nn.ModuleList, tp_comm) -> dict[int, torch.Tensor]:
         if not isinstance(layer, (Embedding, Head, TransformerBlock)):
             continue  # a block with experts
         with recording_cut(layers, i, held):
+            # in the model's order: the embedding, the blocks, the head
             if isinstance(layer, Embedding):
                 layer.tokens = VocabParallelEmbedding.from_full(layer.tokens, tp_comm)
-            elif isinstance(layer, Head):
-                layer.out = ColumnParallelLinear.from_full(layer.out, tp_comm)
             elif isinstance(layer, TransformerBlock):
                 layers[i] = ParallelTransformerBlock.from_full(layer, tp_comm)
+            elif isinstance(layer, Head):
+                layer.out = ColumnParallelLinear.from_full(layer.out, tp_comm)
     return held
