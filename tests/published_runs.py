@@ -18,7 +18,9 @@ FP8 on 8 H100. Megatron-Bridge 25.11's DGX-H100 table: Qwen3-30B-A3B is r54, LLA
 LLAMA3.1_405B r56; left out: LLAMA3_8B (its recipe recomputes 5 of the 32 layers,
 recompute_num_layers=5, which no Layout expresses), GPT OSS 120B (its row's GA of 2 contradicts
 GBS 512 / (MBS 4 x DP 16) = 8; and attention sinks and alternating sliding windows, not
-modelled) and Qwen3 235B-A22B (its row's columns are shifted: one value short).
+modelled) and Qwen3 235B-A22B (its ep 32 spans tp 2 x dp 16: the experts are not cut over tp,
+expert_tensor_parallel_size=1 in its v0.2.0 preset, so Megatron-Core gives their parallelism the
+tensor-parallel ranks too, where a Layout's ep divides dp alone).
 """
 
 SOURCES = {
