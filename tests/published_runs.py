@@ -18,9 +18,12 @@ FP8 on 8 H100. Megatron-Bridge 25.11's DGX-H100 table: Qwen3-30B-A3B is r54, LLA
 LLAMA3.1_405B r56; left out: LLAMA3_8B (its recipe recomputes 5 of the 32 layers,
 recompute_num_layers=5, which no Layout expresses), GPT OSS 120B (its row's GA of 2 contradicts
 GBS 512 / (MBS 4 x DP 16) = 8; and attention sinks and alternating sliding windows, not
-modelled) and Qwen3 235B-A22B (its ep 32 spans tp 2 x dp 16: the experts are not cut over tp,
-expert_tensor_parallel_size=1 in its v0.2.0 preset, so Megatron-Core gives their parallelism the
-tensor-parallel ranks too, where a Layout's ep divides dp alone).
+modelled) and Qwen3 235B-A22B: its ep 32 spans tp 2 x dp 16 (expert_tensor_parallel_size=1 in
+its v0.2.0 preset: Layout(etp=1)), which the planner expresses, but it reads +144%, 33 s of
+compute against 20.8 s a step reported: plan.matmul_share_of counts each expert's rows as one
+rank's share of its tokens, not the ep group's 32 times as many, so the 128-row products tile
+poorly. Counted with the group's rows it reads +21% and Qwen3-30B-A3B (r54) -39%: the layer's
+other costs (routing, permutation, grouped matmuls), which a row could calibrate, are missing.
 """
 
 SOURCES = {

@@ -138,6 +138,47 @@ def test_expert_parallelism_shares_out_the_experts_and_moves_tokens_all_to_all()
     ]
 
 
+def test_whole_experts_give_their_tensor_parallel_ranks_to_expert_parallelism():
+    # etp = 1 (Megatron-Core's expert_tensor_parallel_size=1): the experts are not cut over
+    # tp, so ep spans tp's two ranks and then dp's: ep 32 on dp 16 x tp 2, as Qwen3-235B-A22B's
+    # preset runs; 8 experts of Mixtral over ep 8 on dp 4 x tp 2
+    x = plan.Layout(dp=4, pp=1, tp=2, zero=1, b=1, sp=True, ep=8, etp=1)
+    assert x.expert_tp() == 1 and x.ep_axes() == (2, 4)
+    dense, expert = plan.layer_params_held(MIXTRAL, x)
+    assert expert == MIXTRAL.mlp_params()  # one whole expert a rank
+    assert dense == MIXTRAL.attention_params() / 2 + MIXTRAL.hidden * 8
+    # ZeRO-1: the experts' state over the ranks that hold the same expert: dp x tp / ep = 1
+    got = plan.memory_bytes(MIXTRAL, x, 64)["model state"]
+    embedding = 2 * MIXTRAL.vocab * MIXTRAL.hidden / 2
+    want = (32 * dense + embedding) * (4 + 12 / 4) + 32 * expert * (4 + 12 / 1)
+    assert got == pytest.approx(want, rel=1e-12)
+    # the all-to-all group: tp's 2 ranks side by side, then 4 dp replicas 2 apart: one node
+    tokens = MIXTRAL.seq / 2 * 2
+    group = network.spread_axes([(1, 2), (2, 4)], 8)
+    assert group == network.Group(8, 1)
+    each = network.all_to_all_seconds(H100, group, 2 * tokens * MIXTRAL.hidden, 0.96)
+    assert plan.ep_seconds(MIXTRAL, x, H100, plan.calibrated(H100), 2) == pytest.approx(4 * each)
+    # the same experts cut over tp (etp = 0, the default) hold half of each, and ep is dp's
+    cut = replace(x, etp=0, ep=4)
+    assert plan.layer_params_held(MIXTRAL, cut)[1] == 2 * MIXTRAL.mlp_params() / 2
+    assert plan.problems(MIXTRAL, cut, 8, 64) == []
+    assert plan.problems(MIXTRAL, replace(x, etp=0), 8, 64) == [
+        "ep=8 must divide experts=8 and dp=4"
+    ]
+    # what cannot run, with the numbers
+    assert plan.problems(MIXTRAL, replace(x, ep=3), 8, 64) == [
+        "ep=3 must divide experts=8 and tp/etp=2 x dp=4, tp's ranks first"
+    ]
+    assert plan.problems(MIXTRAL, replace(x, etp=3), 8, 64) == ["etp=3 must divide tp=2"]
+    assert plan.problems(LLAMA70, plan.Layout(8, 1, 8, etp=1), 64, 64) == [
+        "etp=1 needs a mixture of experts; Llama 2 70B has none"
+    ]
+    # the search tries whole experts where tp > 1: on 16 GPUs as tp 2 x pp 2 x dp 4, ep 8
+    # has room only with them
+    ok, _ = plan_search.search(MIXTRAL, H100, 16, 64, picked={"tp": 2, "pp": 2, "ep": 8})
+    assert ok and {q.layout.etp for q in ok} == {1}
+
+
 def test_all_to_all_sends_inside_the_node_and_across_at_once():
     n = 1e9
     inside = 3 / 8 * n / H100.intra.bandwidth  # to the 3 other ranks of the node
@@ -216,6 +257,10 @@ def test_microbatches_tp_cp_ep_and_fp8_are_picked_on_the_command_line(capsys):
     got = json.loads(out)["layouts"]
     assert got and all((x["layout"]["ep"], x["layout"]["cp"]) == (8, 2) for x in got)
     assert all(x["layout"]["fp8"] and x["parts"]["ep"] > 0 for x in got)
+    code, out, err = run_cli(capsys, *args, "--tp", "2", "--etp", "1", "--ep", "8", "--json")
+    assert code == 0, err
+    got = [x["layout"] for x in json.loads(out)["layouts"]]
+    assert got and all((x["tp"], x["etp"], x["ep"]) == (2, 1, 8) for x in got)
     code, _, err = run_cli(capsys, "--fp8")  # the A100 has none
     assert code == 2 and "fp8: the A100-SXM4-80GB has no FP8 tensor cores" in err, err
     code, _, err = run_cli(capsys, "--model", "llama-7b", "--top-k", "2")

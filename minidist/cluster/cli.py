@@ -12,6 +12,7 @@
     minidist plan ... --dp 2 --tp 1 --microbatch-size 2     # only layouts with these numbers
     minidist plan --model llama3-405b --seq-len 131072 --cp 16 --fp8 ...   # cp, ep, FP8
     minidist plan --model mixtral-8x7b --ep 8 --framework fsdp ...   # whose overlap
+    minidist plan --model mixtral-8x7b --tp 2 --etp 1 --ep 8 ...   # whole experts, ep over tp
     minidist plan --cluster my_cluster.toml ...             # your cluster (cluster/custom.py)
 
 Prints the best layouts (plan_search.search) with the step time by part, tokens/s, MFU, memory per
@@ -49,7 +50,7 @@ from minidist.cluster import hardware as clusters
 from minidist.cluster import search as plan_search
 
 # the --flags that pick layouts
-ONLY = ("dp", "pp", "tp", "cp", "ep", "microbatch_size", "microbatches", "chunks")
+ONLY = ("dp", "pp", "tp", "cp", "ep", "etp", "microbatch_size", "microbatches", "chunks")
 # Every whole-number flag's range. Past these no run is planned (the largest published clusters
 # hold about 10^5 GPUs, the largest models about 10^2 layers and 10^4-10^5 wide), and the search's
 # work grows with the GPU count's divisors and the layers: the bounds keep it to seconds.
@@ -71,6 +72,7 @@ LIMITS = {
     "chunks": (1, 10_000),
     "cp": (1, 1 << 16),
     "ep": (1, 1 << 16),
+    "etp": (1, 1 << 16),
     "kv_heads": (1, 1 << 16),
     "head_dim": (1, 1 << 16),
     "experts": (1, 1 << 16),
@@ -264,7 +266,8 @@ def pick_problems(args) -> list[str]:
 def _picked(args) -> dict:
     """The dimensions held to one value, as search.layouts() takes them."""
     names = {"tp": args.tp, "pp": args.pp, "v": args.chunks, "b": args.microbatch_size}
-    names |= {"m": args.microbatches, "cp": args.cp, "ep": args.ep, "fp8": args.fp8 or None}
+    names |= {"m": args.microbatches, "cp": args.cp, "ep": args.ep, "etp": args.etp}
+    names |= {"fp8": args.fp8 or None}
     names |= {"recompute": args.recompute}
     return {k: v for k, v in names.items() if v is not None}
 
@@ -290,7 +293,8 @@ def derived_shape(args) -> plan.Shape:
 def _allowed(args, layout: plan.Layout) -> bool:
     x = layout
     value = {"dp": x.dp, "pp": x.pp, "tp": x.tp, "microbatch_size": x.b, "chunks": x.v}
-    value |= {"cp": x.cp, "ep": x.ep, "microbatches": x.microbatches(args.batch)}
+    value |= {"cp": x.cp, "ep": x.ep, "etp": x.expert_tp()}
+    value |= {"microbatches": x.microbatches(args.batch)}
     picked = all(getattr(args, f) in (None, value[f]) for f in ONLY)
     return (
         picked

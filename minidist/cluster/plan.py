@@ -46,9 +46,9 @@ Time per step (the slowest stage):
     context par.  cp ranks hold s/cp tokens each; a ring passes keys and values (cp - 1 steps
                   of 2 (s/cp) b h_kv/t values, forward, twice backward) behind each attention
                   block (cp_seconds: what the attention's FLOPs cannot cover)
-    expert par.   a mixture's experts shared out over ep ranks (carved out of dp); 4 all-to-alls
-                  a layer (6 with full recompute) of a rank's tokens x top_k x capacity hidden
-                  vectors (ep_seconds)
+    expert par.   a mixture's experts shared out over ep ranks (carved out of dp; with etp < tp
+                  out of tp's spare ranks first, then dp's); 4 all-to-alls a layer (6 with full
+                  recompute) of a rank's tokens x top_k x capacity hidden vectors (ep_seconds)
     FP8           the layers' linear matmuls at the GPU's FP8 peak (linear_share), the rest bf16
     data par.     over dp (x cp), of 2 Psi_g bytes: an all-reduce; ZeRO-1 a reduce-scatter and an
                   all-gather; ZeRO-2 a reduce-scatter per microbatch; ZeRO-3 also two
@@ -97,7 +97,10 @@ class Layout:
     embedding, the last only the head, as Llama 3 takes a layer off the first and last stage),
     cp (context parallelism: a ring of cp ranks holds a sequence's chunks), ep (expert
     parallelism, carved out of dp: ep ranks share out a mixture's experts), fp8 (the layers'
-    linear matmuls in FP8, where the GPU has it)."""
+    linear matmuls in FP8, where the GPU has it), etp (expert tensor parallelism,
+    Megatron-Core's expert_tensor_parallel_size: how many of the tp ranks cut each expert; 0,
+    all of them, as the dense layers; fewer leave tp / etp ranks to ep, which then spans them
+    and dp, as large mixtures run with etp = 1)."""
 
     dp: int
     pp: int
@@ -112,6 +115,17 @@ class Layout:
     cp: int = 1
     ep: int = 1
     fp8: bool = False
+    etp: int = 0  # 0: the experts are cut over all tp ranks, as the dense layers
+
+    def expert_tp(self) -> int:
+        """The tp ranks that cut each expert (etp, or all tp of them)."""
+        return self.etp or self.tp
+
+    def ep_axes(self) -> tuple[int, int]:
+        """(ranks of ep taken from tp's spare ranks, from dp): the spare ones first, as
+        Megatron-Core orders its expert groups (etp innermost, then ep)."""
+        inner = min(self.ep, self.tp // self.expert_tp())
+        return inner, self.ep // inner
 
     def microbatches(self, batch: int) -> int:
         return batch // (self.dp * self.b)
@@ -140,11 +154,26 @@ def problems(shape: Shape, layout: Layout, gpus: int, batch: int) -> list[str]:
         found.append("sequence parallelism needs tp > 1")
     if shape.seq % (2 * x.cp) and x.cp > 1:  # two chunks a rank, one early one late (balanced)
         found.append(f"seq={shape.seq} is not divisible by 2 x cp={x.cp} chunks")
-    if x.ep > 1 and not shape.experts:
+    if x.etp and not shape.experts:
+        found.append(f"etp={x.etp} needs a mixture of experts; {shape.name} has none")
+    elif x.etp and x.tp % x.etp:
+        found.append(f"etp={x.etp} must divide tp={x.tp}")
+    elif x.ep > 1 and not shape.experts:
         found.append(f"ep={x.ep} needs a mixture of experts; {shape.name} has none")
-    elif x.ep > 1 and (shape.experts % x.ep or x.dp % x.ep):
-        found.append(f"ep={x.ep} must divide experts={shape.experts} and dp={x.dp}")
+    elif x.ep > 1 and not _ep_fits(shape, x):
+        spare = x.tp // x.expert_tp()
+        room = f"dp={x.dp}" if spare == 1 else f"tp/etp={spare} x dp={x.dp}, tp's ranks first"
+        found.append(f"ep={x.ep} must divide experts={shape.experts} and {room}")
     return found
+
+
+def _ep_fits(shape: Shape, x: Layout) -> bool:
+    """Whether ep divides the experts and takes whole axes: tp's spare ranks (tp / etp), then
+    dp's."""
+    spare = x.tp // x.expert_tp()
+    inner, outer = x.ep_axes()
+    whole = spare % inner == 0 and inner * outer == x.ep and x.dp % outer == 0
+    return shape.experts % x.ep == 0 and whole
 
 
 def stage_layers(shape: Shape, layout: Layout) -> int:
@@ -185,7 +214,8 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
         stages = [(layers - 1, 1, 0), (layers, 0, 1)]
     dense_layer, expert_layer = layer_params_held(shape, x)
     dense_bytes = per_param_bytes(x.zero, x.dp * x.cp, e)
-    expert_bytes = per_param_bytes(x.zero, x.dp * x.cp // x.ep, e)
+    # the experts' optimizer state is sharded over the ranks that hold the same experts
+    expert_bytes = per_param_bytes(x.zero, x.dp * x.cp * x.tp // x.expert_tp() // x.ep, e)
     memories = []
     for n, ends, r in stages:
         dense = n * dense_layer + ends * shape.vocab * h / x.tp
@@ -210,12 +240,12 @@ def per_param_bytes(zero: int, shards: int, e: int = 2) -> float:
 
 def layer_params_held(shape: Shape, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters of one layer a rank holds: the attention (and a dense MLP, and
-    the router) cut over tp; a mixture's experts / ep of them, each cut over tp."""
+    the router) cut over tp; a mixture's experts / ep of them, each cut over etp."""
     x = layout
     if not shape.experts:
         return shape.layer_params() / x.tp, 0.0
     dense = shape.attention_params() / x.tp + shape.hidden * shape.experts
-    return dense, shape.experts // x.ep * shape.mlp_params() / x.tp
+    return dense, shape.experts // x.ep * shape.mlp_params() / x.expert_tp()
 
 
 def layer_activation_bytes(shape: Shape, layout: Layout, flash: bool = True, e: int = 2) -> float:
@@ -272,27 +302,31 @@ def stage_layer_counts(shape: Shape, layout: Layout) -> tuple[int, int, int]:
 
 def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
     """matmul_share_of: the same, for the numbers of the layout it depends on (cached)."""
-    return matmul_share_of(shape, layout.tp, layout.b, layout.cp, gpu)
+    return matmul_share_of(shape, layout.tp, layout.b, layout.cp, gpu, layout.expert_tp())
 
 
 @functools.lru_cache(maxsize=4096)
-def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu) -> float:
+def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu, et: int = 0) -> float:
     """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
     quantization (cluster.wave_share): b s / cp rows by q k v (h -> (q + 2 h_kv)/t), out
     (q/t -> h), and for the MLP's up (h -> f/t, twice if gated) and down (f/t -> h) as many rows,
-    or a mixture's experts' top_k x capacity / experts of them each. step() applies it to all of
-    a stage's FLOPs (the logits and attention scores are large products too: a simplification)."""
+    or a mixture's experts' top_k x capacity / experts of them each, cut over et (etp: default
+    t), the rows et/t as many (a rank's own tokens, not its tp group's). step() applies it to all
+    of a stage's FLOPs (the logits and attention scores are large products too: a
+    simplification)."""
     h = shape.hidden
     f = shape.ffn
     kv = shape.kv_width()
     q = shape.q_width()
     up = f * (2 if shape.glu else 1)
     rows = shape.seq * b // cp
+    et = et or t
     attention = [(h, (q + 2 * kv) // t), (q // t, h)]
-    mlp = [(h, up // t), (f // t, h)]
+    mlp = [(h, up // et), (f // et, h)]
     expert_rows = rows
     if shape.experts:  # each expert's share of the routed tokens
-        expert_rows = max(1, round(rows * shape.top_k * shape.capacity / shape.experts))
+        routed = rows * shape.top_k * shape.capacity / shape.experts
+        expert_rows = max(1, round(routed * et / t))
     work = [sum(k * n for k, n in attention), sum(k * n for k, n in mlp)]
     if shape.experts:
         work[1] *= shape.top_k * shape.capacity  # every token's top_k experts
@@ -399,10 +433,12 @@ def step(
     if x.scatter:  # the receiving stage all-gathers the tp ranks' slices
         t_pp += network.collective_seconds(cluster, "all_gather", tp_group, act, eff.network)[0]
     t_pp = 2 * m * x.v * t_pp if x.pp > 1 else 0.0
-    # the rank's parameters: a mixture's experts but its ep share (their gradients average over
-    # dp / ep of the ranks: priced over the dp group, a simplification)
-    others = shape.layers * (shape.experts - shape.experts // x.ep) * shape.mlp_params()
-    psi_g = psi or (shape.params() - others) / (x.pp * x.tp)
+    # the rank's parameters: the dense ones cut over tp, a mixture's experts but its ep share
+    # cut over etp (their gradients average over the ranks that hold the same experts: priced
+    # over the dp group, a simplification)
+    experts = shape.layers * shape.experts * shape.mlp_params()
+    held = shape.layers * (shape.experts // x.ep) * shape.mlp_params() / x.expert_tp()
+    psi_g = psi or ((shape.params() - experts) / x.tp + held) / x.pp
     # gradients are averaged over dp x cp (every cp rank saw other tokens of the same sequences)
     dp_group = network.spread_axes([(x.tp, x.cp), (x.tp * x.cp * x.pp, x.dp)], g)
     each = dp_collectives(cluster, x, dp_group, e * psi_g, eff)
@@ -464,11 +500,14 @@ def ep_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int) -> float:
     top_k experts and come back (dispatch and combine), forward and backward (4; 6 with full
     recompute), each of a rank's s b / (cp t) tokens x top_k x capacity hidden vectors over the
     ep group (cluster/network.py: all_to_all_seconds), on the critical path (Lepikhin et al.,
-    GShard, 2020, section 3.2; Megatron-LM's MoE layer likewise). 0 if ep = 1."""
+    GShard, 2020, section 3.2; Megatron-LM's MoE layer likewise). The group: tp's spare ranks
+    (etp apart) first, then dp's (pp cp tp apart). 0 if ep = 1."""
     if x.ep == 1:
         return 0.0
     tokens = shape.seq * x.b / (x.cp * x.tp) * shape.top_k * shape.capacity
-    group = network.spread(x.tp * x.cp * x.pp, x.ep, cluster.gpus_per_node)
+    inner, outer = x.ep_axes()
+    axes = [(x.expert_tp(), inner), (x.tp * x.cp * x.pp, outer)]
+    group = network.spread_axes(axes, cluster.gpus_per_node)
     each = network.all_to_all_seconds(cluster, group, e * tokens * shape.hidden, eff.network)
     return (6 if x.recompute == "full" else 4) * each
 

@@ -95,6 +95,7 @@ def name(layout: dict) -> str:
     x = layout
     sp = (" sp" if x["sp"] else "") + (" ends" if x.get("ends") else "")
     more = "".join(f" {k}{x[k]}" for k in ("cp", "ep") if x.get(k, 1) > 1)
+    more += f" etp{x['etp']}" if x.get("etp") else ""  # fewer tp ranks cut the experts
     more += " fp8" if x.get("fp8") else ""
     return (
         f"dp{x['dp']} pp{x['pp']} tp{x['tp']} v{x['v']} z{x['zero']} b{x['b']} {x['recompute']}"

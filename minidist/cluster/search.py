@@ -34,12 +34,14 @@ def layouts(
 ):
     """Every layout worth a look: tp up to two nodes, cp (sequences of LONG tokens and more)
     up to 32, pp up to the layers (uneven stages allowed), ep dividing the experts and dp (a
-    mixture of experts), v every factor of a stage's layers up to MOST_V (pp > 1), b up to 8,
+    mixture of experts; with tp > 1 also its experts whole, etp = 1, and ep over tp's ranks
+    first, then dp's), v every factor of a stage's layers up to MOST_V (pp > 1), b up to 8,
     every ZeRO stage, recompute, sp; ends (the embedding and the head as pipeline slots of their
     own) where pp > 1 if asked; plan.problems() filters. picked: {"tp": 3, "pp": ..., "v": ...,
-    "b": ..., "m": microbatches, "cp": ..., "ep": ..., "fp8": True, "recompute": ...}, held to one
-    value, whatever the grid (so that plan.problems() says why a tp of 3 or a microbatch of 3
-    cannot run, instead of it never being tried); pp still divides gpus / (tp cp)."""
+    "b": ..., "m": microbatches, "cp": ..., "ep": ..., "etp": ..., "fp8": True,
+    "recompute": ...}, held to one value, whatever the grid (so that plan.problems() says why
+    a tp of 3 or a microbatch of 3 cannot run, instead of it never being tried); pp still
+    divides gpus / (tp cp)."""
     picked = picked or {}
     g = cluster.gpus_per_node
     tps = [picked["tp"]] if "tp" in picked else [t for t in GRID_TP if t <= 2 * g]
@@ -51,10 +53,10 @@ def layouts(
             for pp in (p for p in pps if rest % p == 0):
                 dp = rest // pp
                 end = ends and pp > 1
-                for ep in _eps(shape, dp, picked):
+                for etp, ep in _eps(shape, tp, dp, picked):
                     for v, zero, b, recompute, sp in _options(shape, tp, pp, dp, batch, picked):
                         yield Layout(
-                            dp, pp, tp, v, zero, b, recompute, sp, scatter, end, cp, ep, fp8
+                            dp, pp, tp, v, zero, b, recompute, sp, scatter, end, cp, ep, fp8, etp
                         )
 
 
@@ -68,14 +70,20 @@ def _cps(shape: Shape, picked: dict) -> list[int]:
     return [1, *(c for c in GRID_CP if shape.seq % (2 * c) == 0 and shape.seq // c >= 2048)]
 
 
-def _eps(shape: Shape, dp: int, picked: dict) -> list[int]:
-    """The expert-parallel sizes to try: the picked one, or every one dividing the experts and
-    dp (1 for a dense model)."""
-    if "ep" in picked:
-        return [picked["ep"]]
+def _eps(shape: Shape, tp: int, dp: int, picked: dict) -> list[tuple[int, int]]:
+    """(etp, ep) pairs to try: etp 0 (the experts cut over tp, as the dense layers) and, with
+    tp > 1, 1 (whole experts: tp's ranks go to ep), or as picked; ep the picked one, or every
+    one dividing the experts and its room (dp; tp x dp with etp = 1); for a dense model only
+    the picked ones (plan.problems() refuses them), else (0, 1)."""
     if not shape.experts:
-        return [1]
-    return [e for e in divisors(shape.experts, dp) if dp % e == 0]
+        return [(picked.get("etp", 0), picked.get("ep", 1))]
+    etps = [picked["etp"]] if "etp" in picked else ([0, 1] if tp > 1 else [0])
+    pairs = []
+    for etp in etps:
+        room = dp * (tp // etp if etp and tp % etp == 0 else 1)
+        eps = [picked["ep"]] if "ep" in picked else divisors(shape.experts, room)
+        pairs += [(etp, e) for e in eps if "ep" in picked or room % e == 0]
+    return pairs
 
 
 def divisors(n: int, most: int) -> list[int]:
