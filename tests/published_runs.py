@@ -15,15 +15,10 @@ Left out: PTD GPT-174.6B on 384 A100 (Narayanan Table 2) (tp and pp not stated (
 sequences not stated). Not yet added (FP8 and context parallelism are modelled now): NeMo 24.07
 GPT3-175B FP8 on 128 and on 512 H100; NeMo 24.07 LLAMA3-70B FP8 on 64 H100; NeMo 24.07 LLAMA3-8B
 FP8 on 8 H100. Megatron-Bridge 25.11's DGX-H100 table: Qwen3-30B-A3B is r54, LLAMA3_70B r55,
-LLAMA3.1_405B r56; left out: LLAMA3_8B (its recipe recomputes 5 of the 32 layers,
-recompute_num_layers=5, which no Layout expresses), GPT OSS 120B (its row's GA of 2 contradicts
-GBS 512 / (MBS 4 x DP 16) = 8; and attention sinks and alternating sliding windows, not
-modelled) and Qwen3 235B-A22B: its ep 32 spans tp 2 x dp 16 (expert_tensor_parallel_size=1 in
-its v0.2.0 preset: Layout(etp=1)), which the planner expresses, but it reads +144%, 33 s of
-compute against 20.8 s a step reported: plan.matmul_share_of counts each expert's rows as one
-rank's share of its tokens, not the ep group's 32 times as many, so the 128-row products tile
-poorly. Counted with the group's rows it reads +21% and Qwen3-30B-A3B (r54) -39%: the layer's
-other costs (routing, permutation, grouped matmuls), which a row could calibrate, are missing.
+LLAMA3.1_405B r56, Qwen3_235B_a22B r57; left out: LLAMA3_8B (its recipe recomputes 5 of the 32
+layers, recompute_num_layers=5, which no Layout expresses) and GPT OSS 120B (its row's GA of 2
+contradicts GBS 512 / (MBS 4 x DP 16) = 8; and attention sinks and alternating sliding windows,
+not modelled).
 """
 
 SOURCES = {
@@ -129,8 +124,10 @@ TIED = ("n21", "k22", "s22", "b22", "m23")
 # (V M), then doubles from 8,192 GPUs, M = 32, to 16,384, M = 16, as its MFU falls 43% -> 41%).
 # Megatron-Bridge's Llama 3.1 405B (r56) likewise: llama31_405b_pretrain_config sets
 # account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split (its
-# recipes/llama/llama3.py), 126 + 2 slots over 8 stages of v = 8 chunks. A source or a row.
-ENDS = ("d24", "r56")
+# recipes/llama/llama3.py), 126 + 2 slots over 8 stages of v = 8 chunks; its Qwen3-235B-A22B
+# (r57) too (qwen3_235b_a22b_pretrain_config, recipes/qwen/qwen3_moe.py): 94 + 2 slots over 8
+# stages of v = 4 chunks. A source or a row.
+ENDS = ("d24", "r56", "r57")
 
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
@@ -158,13 +155,21 @@ SHAPES = {
     "L40h5120v50": (40, 5120, 40, 40, 20480, False, 50368, 2048),
     "L32h4096v50": (32, 4096, 32, 32, 16384, False, 50368, 2048),
     "L48h2048e128": (48, 2048, 32, 4, 768, True, 151936, 4096),
+    "L94h4096e128": (94, 4096, 64, 4, 1536, True, 151936, 4096),
 }
 # What the columns of SHAPES cannot hold: heads wider than hidden / heads, a mixture of experts.
 # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json on Hugging Face): hidden_size 2048, 48 layers,
 # 32 attention heads and 4 key/value heads of head_dim 128 (queries 4096 wide: twice the
 # model), num_experts 128 of moe_intermediate_size 768, num_experts_per_tok 8, vocab_size
-# 151936, tie_word_embeddings false; no shared expert.
-SHAPE_MORE = {"L48h2048e128": {"head_dim": 128, "experts": 128, "top_k": 8}}
+# 151936, tie_word_embeddings false; no shared expert. Qwen3-235B-A22B (Megatron-Bridge's
+# Qwen3MoEModelProvider235B_A22B and the Qwen3MoEModelProvider it extends, src/megatron/bridge/
+# models/qwen/qwen_provider.py at its v0.2.0 tag): 94 layers, hidden_size 4096, 64 attention
+# heads and 4 query groups, kv_channels 128, 128 experts of moe_ffn_hidden_size 1536, top 8,
+# vocab_size 151936, share_embeddings_and_output_weights False.
+SHAPE_MORE = {
+    "L48h2048e128": {"head_dim": 128, "experts": 128, "top_k": 8},
+    "L94h4096e128": {"head_dim": 128, "experts": 128, "top_k": 8},
+}
 
 # id: shape, source, GPU, GB, GPUs, tp, pp, v, ZeRO, microbatch, batch, recompute, sp, flash
 RUNS = {
@@ -221,6 +226,7 @@ RUNS = {
     "r54": ("L48h2048e128", "mb25", "H100", 80, 16, 1, 2, 24, 1, 2, 512, "none", 0, 1),
     "r55": ("L80h8192s8192v128", "mb25", "H100", 80, 64, 4, 8, 5, 1, 1, 128, "none", 1, 1),
     "r56": ("L126h16384s8192v128", "mb25", "H100", 80, 1024, 8, 8, 8, 1, 1, 512, "none", 1, 1),
+    "r57": ("L94h4096e128", "mb25", "H100", 80, 256, 2, 8, 4, 1, 1, 2048, "none", 1, 1),
 }
 
 # What the columns of RUNS cannot hold: context parallelism, FP8, and the GPUs' memory bandwidth
@@ -235,6 +241,7 @@ MORE = {
     "r54": {"ep": 8, "fp8": True},
     "r55": {"fp8": True},
     "r56": {"cp": 2, "fp8": True},
+    "r57": {"ep": 32, "etp": 1, "fp8": True},
 }
 MEMORY_BW = {"t24": 2400e9}
 
@@ -293,6 +300,7 @@ REPORTED = {
     "r54": ("tokens", 5275),
     "r55": ("tokens", 1602),
     "r56": ("tokens", 292),
+    "r57": ("tokens", 1575),
 }
 
 NAMES = {
@@ -349,6 +357,7 @@ NAMES = {
     "r54": "Megatron-Bridge Qwen3-30B-A3B MoE PP2 VP24 EP8 FP8 on 16 H100, seq 4096",
     "r55": "Megatron-Bridge Llama 3 70B TP4 PP8 VP5 FP8 on 64 H100, seq 8192",
     "r56": "Megatron-Bridge Llama 3.1 405B TP8 PP8 CP2 VP8 FP8 on 1024 H100, seq 8192",
+    "r57": "Megatron-Bridge Qwen3-235B-A22B MoE TP2 PP8 VP4 EP32 FP8 on 256 H100, seq 4096",
 }
 
 # What section 3.3.2 of Dubey et al. states of both Llama 3 rows' layout.
@@ -586,6 +595,14 @@ EVIDENCE = {
         "GBS, MBS, Sequence Length, FSDP, TP, PP, CP, VP, EP, GA, Tokens / sec / GPU, Model "
         "TFLOP / sec / GPU)"
     ),
+    "r57": (
+        "25.11 NeMo Container, Pre-Training Performance, System: DGX-H100: Qwen3_235B_a22B | 256 "
+        "| FP8-CS | 2048 | 1 | 4096 | 0 | 2 | 8 | 1 | 4 | 32 | 128 | 1575 | 233 (#-GPUs, "
+        "Precision, GBS, MBS, Sequence Length, FSDP, TP, PP, CP, VP, EP, GA, Tokens / sec / GPU, "
+        "Model TFLOP / sec / GPU), as the repository's docs/performance-summary-archive.md "
+        "holds it; 'In MoE training benchmarks, we force-balance the token distribution among "
+        "experts and all benchmarks are token-dropless.'"
+    ),
 }
 
 
@@ -687,4 +704,14 @@ ASSUMED = {
     ],
     "r55": MEGATRON_BRIDGE_LLAMA_ASSUMED,
     "r56": MEGATRON_BRIDGE_LLAMA_ASSUMED,
+    "r57": [
+        "Megatron-Core's distributed optimizer as ZeRO-1",
+        "sequence parallelism (WorkloadBaseConfig.sequence_parallel: tp > 1)",
+        "no activation recompute",
+        "flash attention at FlashAttention-2's rates (Transformer Engine's fused attention)",
+        "capacity 1 (the table's routing is force-balanced and dropless)",
+        "whole experts, etp = 1 (its v0.2.0 preset: expert_tensor_parallel_size=1), ep over tp's "
+        "ranks first, then dp's",
+        "the all-to-alls exposed (the preset's moe_a2a_overlap not priced)",
+    ],
 }
