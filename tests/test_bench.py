@@ -158,14 +158,14 @@ def test_bench_dp_times_torch_ddp_on_the_same_group(capfd):
     bucketed rung uses, timed in the same interleaved rounds; the ratio from those columns.
     Threads have no torch process group: no column, no ratio."""
     argv = ["bench", "dp", "-n", "2", "--layers", "1", "--width", "8", "--batch", "2"]
-    assert main([*argv, "--backend", "gloo", "--steps", "2", "--json"]) == 0
+    assert main([*argv, "--backend", "gloo", "--steps", "2", "--rounds", "3", "--json"]) == 0
     lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
     row = json.loads(lines[-1])
     assert row["torch_ddp"] > 0 and row["bucketed_library"] > 0
     assert row["ddp_ratio"] == pytest.approx(row["bucketed_library"] / row["torch_ddp"])
     low, high = row["ddp_spread"]  # the per-round ratios' middle half
     assert 0 < low <= high, row
-    assert main([*argv, "--backend", "threads", "--steps", "1", "--json"]) == 0
+    assert main([*argv, "--backend", "threads", "--steps", "1", "--rounds", "1", "--json"]) == 0
     row = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert row["torch_ddp"] is None and row["ddp_ratio"] is None and row["ddp_spread"] is None
 

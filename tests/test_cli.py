@@ -29,6 +29,7 @@ BAD = [  # (argv, a piece of the one line that must say why)
     ("bench p2p -n 1", "bench p2p needs at least 2 ranks"),
     ("bench allreduce --min-bytes 4096 --max-bytes 16", "--min-bytes 4096 is more than"),
     ("bench dp --steps 0", "--steps 0: must be at least 1"),
+    ("bench dp --rounds 0", "--rounds 0: must be at least 1"),
     ("bench zero -n 2 0", "-n 0: must be at least 1"),
     ("bench sgd --chance 2", "--chance 2.0: a probability"),
     ("bench sgd --lr nan", "--lr nan: must be a finite number > 0"),
