@@ -196,7 +196,8 @@ def memory_bytes(shape: Shape, layout: Layout, batch: int, flash: bool = True, e
     minidist's zero/stages.py keeps one). Without dropout (shape.dropout) the per-layer constant is
     8, not 10 (no two s b h masks), and the attention term 2 a s/h, not 5 (the softmax output is
     the one s x s tensor kept). ZeRO shards the dense parameters over dp x cp (every cp rank
-    holds them whole) and a mixture's experts over dp x cp / ep (ep ranks share them out)."""
+    holds them whole) and a mixture's experts over the ranks that hold the same ones, dp x cp
+    x (tp / etp) / ep (ep ranks share them out; with etp < tp, tp's spare ranks are ep's too)."""
     x, h = layout, shape.hidden
     layers = stage_layers(shape, x)
     if x.recompute == "full":  # each layer's input, 2 s b h bytes (/t with sp), s/cp a rank
@@ -394,8 +395,9 @@ def step(
     optimizer. e: bytes of an activation or gradient element on the wire (2: bf16; 4: float32).
     compute is a roofline's two sides: the FLOPs at peak (the layers' linear matmuls at the FP8
     peak with fp8) x efficiency x matmul_share, the rest of the work (elementwise_nbytes) at the
-    memory's bandwidth. psi: a rank's parameters, which dp syncs (default Shape.params() /
-    (pp tp), experts / ep: no biases, norms or positions, < 0.1% of a large model). profile:
+    memory's bandwidth. psi: a rank's parameters, which dp syncs (default the dense ones / (pp
+    tp) and its experts / ep cut over etp, on its stage: no biases, norms or positions, < 0.1%
+    of a large model). profile:
     the framework (cluster/profiles.py), which decides what dp traffic hides behind compute;
     default profiles.DEFAULT."""
     x = layout
