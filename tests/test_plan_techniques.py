@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from minidist.cluster import attention, custom, hardware, network, plan
+from minidist.cluster import attention, custom, hardware, network, plan, profiles
 from minidist.cluster import search as plan_search
 
 try:
@@ -130,6 +130,17 @@ def test_expert_parallelism_shares_out_the_experts_and_moves_tokens_all_to_all()
     assert group == network.Group(4, 2)
     each = network.all_to_all_seconds(H100, group, 2 * tokens * MIXTRAL.hidden, 0.96)
     assert plan.ep_seconds(MIXTRAL, x, H100, plan.calibrated(H100), 2) == pytest.approx(4 * each)
+    # each expert's products have the rows the all-to-all brings it from the ep group: 8 ranks'
+    # s tokens, top_k 2 of 8 experts each, 2 s rows (one rank's own share would be s / 4)
+    h, q, kv, f = MIXTRAL.hidden, MIXTRAL.q_width(), MIXTRAL.kv_width(), MIXTRAL.ffn
+    attention, mlp = [(h, (q + 2 * kv) // 2), (q // 2, h)], [(h, 2 * f // 2), (f // 2, h)]
+    work = [sum(k * n for k, n in attention), 2 * sum(k * n for k, n in mlp)]  # top_k 2
+    rows = [MIXTRAL.seq, 2 * MIXTRAL.seq]
+    shares = [
+        hardware.wave_share(H100.gpu, r, p) for r, p in zip(rows, (attention, mlp), strict=True)
+    ]
+    want = sum(work) / sum(w / share for w, share in zip(work, shares, strict=True))
+    assert plan.matmul_share(MIXTRAL, x, H100.gpu) == pytest.approx(want, rel=1e-12)
     assert plan.problems(LLAMA70, plan.Layout(8, 1, 8, ep=2), 64, 64) == [
         "ep=2 needs a mixture of experts; Llama 2 70B has none"
     ]
@@ -177,6 +188,48 @@ def test_whole_experts_give_their_tensor_parallel_ranks_to_expert_parallelism():
     # has room only with them
     ok, _ = plan_search.search(MIXTRAL, H100, 16, 64, picked={"tp": 2, "pp": 2, "ep": 8})
     assert ok and {q.layout.etp for q in ok} == {1}
+
+
+def test_the_frameworks_rank_order_decides_which_groups_share_a_node():
+    # 16 GPUs on nodes of 8, tp 4 x pp 2 x dp 2. minidist's mesh (tp, cp, pp, dp, innermost
+    # first): a stage's neighbours 4 apart, the whole pipeline on one node, the two dp replicas
+    # 8 apart, one a node. Megatron's and DeepSpeed's (tp, cp, dp, pp): the replicas 4 apart on
+    # one node, the stages 8 apart, on two nodes
+    x = plan.Layout(dp=2, pp=2, tp=4)
+    mine, theirs = profiles.PROFILES["minidist"], profiles.PROFILES["megatron"]
+    assert (mine.order, theirs.order) == (profiles.MINIDIST_ORDER, profiles.STAGES_OUTERMOST)
+    assert plan.strides(x, mine.order) == {"tp": 1, "cp": 4, "pp": 4, "dp": 8}
+    assert plan.strides(x, theirs.order) == {"tp": 1, "cp": 4, "dp": 4, "pp": 8}
+    eff = plan.calibrated(A100)
+    psi = LLAMA70.params() / 8
+    batch = 16
+    ours = plan.step(LLAMA70, x, A100, batch, eff, psi=psi, profile=mine)
+    megatron = plan.step(LLAMA70, x, A100, batch, eff, psi=psi, profile=theirs)
+    # both sync gradients after the flush (all exposed): only the dp ring's placement differs
+    for got, group in ((ours["dp"], network.Group(1, 2)), (megatron["dp"], network.Group(2, 1))):
+        want = network.collective_seconds(A100, "all_reduce", group, 2 * psi, 0.91)[0]
+        assert got == pytest.approx(want)
+    # 2 m messages each way of s b h / tp values, all-gathered over tp on arrival: on NVLink in
+    # minidist's order, on the sending GPU's card in Megatron's
+    act = 2 * LLAMA70.seq * LLAMA70.hidden
+    gather = network.collective_seconds(A100, "all_gather", network.Group(4, 1), act, 0.91)[0]
+    m = x.microbatches(batch)
+    for pp, across in ((ours["pp"], False), (megatron["pp"], True)):
+        p2p = network.p2p_seconds(A100, across, act / 4, 0.91)
+        assert pp == pytest.approx(2 * m * (p2p + gather))
+    same = ("compute", "bubble", "tp", "cp", "ep", "optimizer")
+    assert all(ours[k] == megatron[k] for k in same)
+    # an ep group of 8 carved out of dp 8 under pp 2 (Qwen3-30B-A3B's on 16 H100s): 2 apart in
+    # minidist's order, 4 ranks a node on two nodes; 1 apart in Megatron-Core's, one node
+    y = plan.Layout(dp=8, pp=2, tp=1, b=1, ep=8)
+    eff = plan.calibrated(H100)
+    nbytes = 2 * MIXTRAL.seq * MIXTRAL.top_k * MIXTRAL.hidden  # a rank's tokens, top_k each
+    for order, group in (
+        (profiles.MINIDIST_ORDER, network.Group(4, 2)),
+        (profiles.PROFILES["megatron-core"].order, network.Group(8, 1)),
+    ):
+        each = network.all_to_all_seconds(H100, group, nbytes, 0.96)
+        assert plan.ep_seconds(MIXTRAL, y, H100, eff, 2, order) == pytest.approx(4 * each)
 
 
 def test_all_to_all_sends_inside_the_node_and_across_at_once():

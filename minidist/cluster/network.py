@@ -26,9 +26,9 @@ ring or tree for an all-reduce, ring for the others. The achieved bandwidth thus
 node count where latency matters (the ring's steps grow with p, the tree's with log2 n) and the
 tree's cap falls from 2 nodes to 4. Not modelled: LL and LL128 protocols (small messages: the
 planner's are megabytes), NVLS and CollNet (in-switch reduction), PXN, several channels a card.
-Placement: spread() takes a group's stride in the rank order (plan.step uses minidist's mesh:
-tp innermost, then pp, then dp; Megatron-LM puts dp before pp) and gives (ranks per node,
-nodes) for nodes filled in order.
+Placement: spread() takes a group's stride in the rank order (plan.step uses the framework's:
+minidist's mesh puts tp innermost, then cp, pp, dp; Megatron-LM and DeepSpeed put dp before pp:
+cluster/profiles.py) and gives (ranks per node, nodes) for nodes filled in order.
 Ladder: spread (where a group's ranks sit) -> ring, tree, hierarchical (one algorithm each) ->
 collective_seconds (NCCL's choice) -> plan.step (each dimension on its own group).
 Paper: Jeaugey, "Massively Scale Your Deep Learning Training with NCCL 2.4" (NVIDIA blog, 2019):

@@ -32,8 +32,9 @@ Time per step (the slowest stage):
                   recompute; selective adds its attention core's s x s bytes)
     pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
                   the fullest stage without the head (they fill and drain the pipe)
-    collectives   each on its own group, ranks placed as minidist's mesh places them (tp
-                  innermost, then pp, then dp), priced as NCCL runs them (cluster/network.py:
+    collectives   each on its own group, ranks placed in the framework's rank order
+                  (profiles.py: minidist's mesh and Llama 3 put tp innermost, then cp, pp, dp;
+                  Megatron and DeepSpeed tp, cp, dp, pp), priced as NCCL runs them (network.py:
                   a ring on each network card the group's GPUs reach, or a tree, by size);
                   tp <= g stays on the node's links, a larger tp crosses the network
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
@@ -84,7 +85,7 @@ from minidist.cluster.evidence import (  # noqa: F401
     generation,
 )
 from minidist.cluster.hardware import Cluster, wave_share
-from minidist.cluster.profiles import Profile
+from minidist.cluster.profiles import MINIDIST_ORDER, Profile
 from minidist.cluster.shapes import SHAPES, Shape  # noqa: F401
 
 
@@ -303,17 +304,20 @@ def stage_layer_counts(shape: Shape, layout: Layout) -> tuple[int, int, int]:
 
 def matmul_share(shape: Shape, layout: Layout, gpu) -> float:
     """matmul_share_of: the same, for the numbers of the layout it depends on (cached)."""
-    return matmul_share_of(shape, layout.tp, layout.b, layout.cp, gpu, layout.expert_tp())
+    x = layout
+    return matmul_share_of(shape, x.tp, x.b, x.cp, gpu, x.expert_tp(), x.ep)
 
 
 @functools.lru_cache(maxsize=4096)
-def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu, et: int = 0) -> float:
+def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu, et: int = 0, ep: int = 1) -> float:
     """The share of the matmul rate a layer's products keep on one tp rank after tile and wave
     quantization (cluster.wave_share): b s / cp rows by q k v (h -> (q + 2 h_kv)/t), out
     (q/t -> h), and for the MLP's up (h -> f/t, twice if gated) and down (f/t -> h) as many rows,
-    or a mixture's experts' top_k x capacity / experts of them each, cut over et (etp: default
-    t), the rows et/t as many (a rank's own tokens, not its tp group's). step() applies it to all
-    of a stage's FLOPs (the logits and attention scores are large products too: a
+    or, for a mixture, each expert's: the tokens routed to it from the ep ranks that share out
+    the experts (the all-to-all brings a rank's experts theirs), top_k x capacity / experts of
+    each rank's rows, ep ranks' worth, cut over et (etp: default t), each rank's rows et/t as
+    many (a tp rank dispatches its 1/(t/et) of the tokens). step() applies it to all of a
+    stage's FLOPs (the logits and attention scores are large products too: a
     simplification)."""
     h = shape.hidden
     f = shape.ffn
@@ -326,7 +330,7 @@ def matmul_share_of(shape: Shape, t: int, b: int, cp: int, gpu, et: int = 0) -> 
     mlp = [(h, up // et), (f // et, h)]
     expert_rows = rows
     if shape.experts:  # each expert's share of the routed tokens
-        routed = rows * shape.top_k * shape.capacity / shape.experts
+        routed = rows * shape.top_k * shape.capacity / shape.experts * ep
         expert_rows = max(1, round(routed * et / t))
     work = [sum(k * n for k, n in attention), sum(k * n for k, n in mlp)]
     if shape.experts:
@@ -398,8 +402,8 @@ def step(
     memory's bandwidth. psi: a rank's parameters, which dp syncs (default the dense ones / (pp
     tp) and its experts / ep cut over etp, on its stage: no biases, norms or positions, < 0.1%
     of a large model). profile:
-    the framework (cluster/profiles.py), which decides what dp traffic hides behind compute;
-    default profiles.DEFAULT."""
+    the framework (cluster/profiles.py), which decides what dp traffic hides behind compute,
+    and by its rank order which groups share a node; default profiles.DEFAULT."""
     x = layout
     h = shape.hidden
     m = x.microbatches(batch)
@@ -421,16 +425,17 @@ def step(
     fullest = (fullest_flops * per_flop + fullest_layers * fused) * rank_tokens + elementwise
     g = cluster.gpus_per_node
     act = e * tokens * h  # bytes of one activation tensor on a rank
-    # minidist's rank order (mesh.py: arange(world).view(dp, pp, cp, tp), ep carved out of
-    # dp): tp innermost, then cp, pp, dp; each dimension's collectives run on the group this
-    # order gives it, on its links
+    # the framework's rank order (profile.order: minidist's mesh, tp innermost, then cp, pp,
+    # dp; Megatron's and DeepSpeed's, tp, cp, dp, pp; ep carved out of dp in both): each
+    # dimension's collectives run on the group this order gives it, on its links
+    apart = strides(x, profile.order)
     tp_group = network.spread(1, x.tp, g)
     tp_ar, _ = network.collective_seconds(cluster, "all_reduce", tp_group, act, eff.network)
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
     t_cp = layers * cp_seconds(shape, x, cluster, eff, e, bf16)
-    t_ep = layers * ep_seconds(shape, x, cluster, eff, e)
-    across = x.pp * x.cp * x.tp > g  # a pipeline (stage neighbours cp tp apart) across nodes
+    t_ep = layers * ep_seconds(shape, x, cluster, eff, e, profile.order)
+    across = apart["pp"] * x.pp > g  # a pipeline whose stages span nodes
     t_pp = network.p2p_seconds(cluster, across, act / (x.tp if x.scatter else 1), eff.network)
     if x.scatter:  # the receiving stage all-gathers the tp ranks' slices
         t_pp += network.collective_seconds(cluster, "all_gather", tp_group, act, eff.network)[0]
@@ -442,7 +447,7 @@ def step(
     held = shape.layers * (shape.experts // x.ep) * shape.mlp_params() / x.expert_tp()
     psi_g = psi or ((shape.params() - experts) / x.tp + held) / x.pp
     # gradients are averaged over dp x cp (every cp rank saw other tokens of the same sequences)
-    dp_group = network.spread_axes([(x.tp, x.cp), (x.tp * x.cp * x.pp, x.dp)], g)
+    dp_group = network.spread_axes([(x.tp, x.cp), (apart["dp"], x.dp)], g)
     each = dp_collectives(cluster, x, dp_group, e * psi_g, eff)
     forward = forward_share(shape, x.recompute) * slowest  # one microbatch's, on this stage
     dp = profiles.exposed_dp_seconds(profile, x.zero, each, m, forward, slowest - forward, layers)
@@ -458,6 +463,20 @@ def step(
         "dp": dp,
         "optimizer": optimizer,
     }
+
+
+def strides(x: Layout, order: str) -> dict[str, int]:
+    """How many ranks apart two neighbours of each dimension sit, for a rank order given
+    innermost first (profiles.MINIDIST_ORDER, "tp-cp-pp-dp": a stage's neighbours tp cp apart,
+    the dp replicas tp cp pp apart; profiles.STAGES_OUTERMOST, "tp-cp-dp-pp": the dp replicas tp
+    cp apart, the stages tp cp dp apart). network.spread turns a stride into ranks a node."""
+    sizes = {"tp": x.tp, "cp": x.cp, "pp": x.pp, "dp": x.dp}
+    apart = 1
+    found = {}
+    for name in order.split("-"):
+        found[name] = apart
+        apart *= sizes[name]
+    return found
 
 
 def attention_seconds_per_token(
@@ -497,18 +516,21 @@ def cp_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int, rate: flo
     return max(0.0, ring - attention)
 
 
-def ep_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int) -> float:
+def ep_seconds(
+    shape: Shape, x: Layout, cluster: Cluster, eff, e: int, order: str = MINIDIST_ORDER
+) -> float:
     """Seconds of one layer's expert-parallel all-to-alls per microbatch: the tokens go to their
     top_k experts and come back (dispatch and combine), forward and backward (4; 6 with full
     recompute), each of a rank's s b / (cp t) tokens x top_k x capacity hidden vectors over the
     ep group (cluster/network.py: all_to_all_seconds), on the critical path (Lepikhin et al.,
     GShard, 2020, section 3.2; Megatron-LM's MoE layer likewise). The group: tp's spare ranks
-    (etp apart) first, then dp's (pp cp tp apart). 0 if ep = 1."""
+    (etp apart) first, then dp's, as far apart as the rank order puts dp replicas (strides:
+    pp cp tp in minidist's order, cp tp in Megatron's). 0 if ep = 1."""
     if x.ep == 1:
         return 0.0
     tokens = shape.seq * x.b / (x.cp * x.tp) * shape.top_k * shape.capacity
     inner, outer = x.ep_axes()
-    axes = [(x.expert_tp(), inner), (x.tp * x.cp * x.pp, outer)]
+    axes = [(x.expert_tp(), inner), (strides(x, order)["dp"], outer)]
     group = network.spread_axes(axes, cluster.gpus_per_node)
     each = network.all_to_all_seconds(cluster, group, e * tokens * shape.hidden, eff.network)
     return (6 if x.recompute == "full" else 4) * each

@@ -1,5 +1,5 @@
 """How a framework runs a step, where it decides the time: which data-parallel traffic hides
-behind which compute, and what the optimizer step moves through memory.
+behind which compute, what the optimizer step moves through memory, and where its ranks sit.
 
 Equals: nothing runs here; each profile is a framework's published behaviour, cited below, and
 exposed_dp_seconds() is the rule it implies. plan.step asks it how much of a step's data-parallel
@@ -24,6 +24,9 @@ what recompute runs again; L the stage's layers):
                       at a time, never a whole step's at once
 Optimizer step: OPTIMIZER_BYTES read and written per parameter it updates, at the memory's
 bandwidth (ZeRO: the rank's 1/dp shard).
+Rank order: which ranks are neighbours, so which of a group's ranks share a node (plan.strides):
+minidist and Llama 3 put the dp replicas outermost, Megatron-LM, Megatron-Core and DeepSpeed the
+pipeline's stages.
 Ladder: Profile (the data) -> exposed_dp_seconds (the rule) -> plan.step.
 Paper: the frameworks' code, cited at each profile.   Lesson: lessons/13_beyond_one_machine/.
 Run: minidist plan --framework deepspeed ...
@@ -33,19 +36,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The rank orders, innermost first (ep is carved out of dp in both, after tp's spare ranks).
+# minidist's mesh (mesh.py: arange(world).view(dp, pp, cp, tp)), as Llama 3 orders its
+# parallelism, "[TP, CP, PP, DP]" (Dubey et al., 2024, section 3.3.2): a stage's neighbours are
+# tp cp ranks apart, and the dp replicas tp cp pp apart.
+MINIDIST_ORDER = "tp-cp-pp-dp"
+# Megatron-LM's (megatron/mpu/initialize.py, initialize_model_parallel, as Narayanan et al. ran
+# it: its docstring's 16 GPUs of tp 2 x pp 4 make the data-parallel groups [g0, g2], [g1, g3],
+# ... and the pipeline groups [g0, g4, g8, g12], ...: a stage's ranks are consecutive),
+# Megatron-Core's (megatron/core/parallel_state.py,
+# initialize_model_parallel(order="tp-cp-ep-dp-pp")) and DeepSpeed's (deepspeed/runtime/pipe/
+# topology.py: PipeModelDataParallelTopology's axes ['pipe', 'data', 'model'], laid out
+# row-major, the last axis varying fastest): the dp replicas tp cp apart, the stages outermost.
+STAGES_OUTERMOST = "tp-cp-dp-pp"
+
 
 @dataclass(frozen=True)
 class Profile:
     """A framework's execution, as far as the plan prices it: whether gradient collectives run
     during the last microbatch's backward (overlap_grads) and ZeRO-1/2's parameter all-gather
     during the next forward (overlap_params); units: how many pieces ZeRO-3 gathers a layer in,
-    one ahead of the other; source: where that is written."""
+    one ahead of the other; source: where that is written; order: the rank order, innermost
+    first, which decides which ranks of a group share a node (plan.strides)."""
 
     name: str
     overlap_grads: bool
     overlap_params: bool
     source: str
     units: int = 1
+    order: str = MINIDIST_ORDER
 
 
 # [MEGATRON] NVIDIA/Megatron-LM as Narayanan et al. (SC 2021) and Korthikanti et al. (2022) ran
@@ -68,11 +87,19 @@ class Profile:
 #   reduce-scatter runs during the backward, its all-gather one unit ahead. MosaicML's MPT
 #   benchmarks (llm-foundry) and Llama 3's training (Dubey et al., 2024, section 3.3.2) run so.
 PROFILES = {
-    "megatron": Profile("megatron", False, False, "[MEGATRON] gradients after the flush"),
-    "ddp": Profile("ddp", True, False, "[DDP] buckets during the last backward"),
-    "megatron-core": Profile("megatron-core", True, True, "[MCORE] --overlap-grad-reduce/param"),
+    "megatron": Profile(
+        "megatron", False, False, "[MEGATRON] gradients after the flush", order=STAGES_OUTERMOST
+    ),
+    "ddp": Profile(
+        "ddp", True, False, "[DDP] buckets during the last backward", order=STAGES_OUTERMOST
+    ),
+    "megatron-core": Profile(
+        "megatron-core", True, True, "[MCORE] --overlap-grad-reduce/param", order=STAGES_OUTERMOST
+    ),
     # ZeRO-3 by module: the four matrices of a layer, each about a prefetch bucket
-    "deepspeed": Profile("deepspeed", False, False, "[DEEPSPEED] gradients after the flush", 4),
+    "deepspeed": Profile(
+        "deepspeed", False, False, "[DEEPSPEED] gradients after the flush", 4, STAGES_OUTERMOST
+    ),
     # a unit a transformer block, as llm-foundry and Llama 3 wrap them
     "fsdp": Profile("fsdp", True, True, "[FSDP] reduce-scatter in the backward, gather ahead"),
     # minidist's main job (gpt/train.py): gradients synced after the whole pipeline step;
