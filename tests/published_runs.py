@@ -18,7 +18,10 @@ FP8 on 8 H100. Megatron-Bridge 25.11's DGX-H100 table: Qwen3-30B-A3B is r54, LLA
 LLAMA3.1_405B r56, Qwen3_235B_a22B r57; left out: LLAMA3_8B (its recipe recomputes 5 of the 32
 layers, recompute_num_layers=5, which no Layout expresses) and GPT OSS 120B (its row's GA of 2
 contradicts GBS 512 / (MBS 4 x DP 16) = 8; and attention sinks and alternating sliding windows,
-not modelled).
+not modelled). Megatron-Bridge 26.06's DGX-H100 rows, the last release with any: Qwen3_30B_a3B
+is r58, LLAMA3.1_405B r59; left out: Nemotron_3_Nano (Mamba layers among its attention layers,
+not modelled). The releases between 25.11 and 26.06 ran the same models on H100s too; only the
+last of them is taken, so that no row is chosen for its error.
 """
 
 SOURCES = {
@@ -66,6 +69,14 @@ SOURCES = {
         "and llama31/ (workload_base_configs.py, *_llm_pretrain.py) and "
         "src/megatron/bridge/recipes/llama/llama3.py"
     ),
+    "mb26": (
+        "NVIDIA NeMo Megatron-Bridge, docs/performance-summary-archive.md, '26.06 NeMo Container', "
+        "Pre-Training Performance, the DGX-H100 rows (the last release whose table has H100 rows; "
+        "26.06.01's and 26.08's have none); what the table leaves out from the repository's "
+        "v0.5.0 tag (2026-06-16): scripts/performance/configs/qwen/qwen3_workload_base_configs.py "
+        "and qwen3_llm_pretrain.py, configs/llama/llama31_workload_base_configs.py and "
+        "src/megatron/bridge/recipes/llama/llama3.py"
+    ),
 }
 
 # Each source's framework, as minidist/cluster/profiles.py names it (where its data-parallel
@@ -86,6 +97,7 @@ PROFILE = {
     "m23": "fsdp",
     "t24": "fsdp",
     "mb25": "megatron-core",
+    "mb26": "megatron-core",
     **dict.fromkeys(("r00", "r01", "r02", "r03"), "ddp"),
     **dict.fromkeys(("r10", "r11", "r12", "r13", "r14", "r15"), "deepspeed"),
 }
@@ -104,7 +116,7 @@ NO_INTERLEAVING = ("s22", "b22", "x22")
 # llama_provider.py and qwen/qwen_provider.py at its v0.2.0 tag: hidden_dropout and
 # attention_dropout 0.0). Megatron-LM's and Megatron-DeepSpeed's runs keep their default of 0.1
 # (BLOOM's tr11-176B-ml.slurm sets no --hidden-dropout or --attention-dropout).
-NO_DROPOUT = ("x22", "m23", "d24", "t24", "mb25")
+NO_DROPOUT = ("x22", "m23", "d24", "t24", "mb25", "mb26")
 
 # Whose output layer is the embedding's matrix, its parameters counted once (plan.Shape.tied), as
 # each source counts them: Megatron-LM's GPT computes the logits with the word embeddings' weight
@@ -126,8 +138,9 @@ TIED = ("n21", "k22", "s22", "b22", "m23")
 # account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split (its
 # recipes/llama/llama3.py), 126 + 2 slots over 8 stages of v = 8 chunks; its Qwen3-235B-A22B
 # (r57) too (qwen3_235b_a22b_pretrain_config, recipes/qwen/qwen3_moe.py): 94 + 2 slots over 8
-# stages of v = 4 chunks. A source or a row.
-ENDS = ("d24", "r56", "r57")
+# stages of v = 4 chunks; its 26.06 Llama 3.1 405B (r59) as r56 (the same recipe at v0.5.0). A
+# source or a row.
+ENDS = ("d24", "r56", "r57", "r59")
 
 # layers, hidden, heads, kv heads, ffn, gated (glu), vocab, sequence length
 SHAPES = {
@@ -227,6 +240,8 @@ RUNS = {
     "r55": ("L80h8192s8192v128", "mb25", "H100", 80, 64, 4, 8, 5, 1, 1, 128, "none", 1, 1),
     "r56": ("L126h16384s8192v128", "mb25", "H100", 80, 1024, 8, 8, 8, 1, 1, 512, "none", 1, 1),
     "r57": ("L94h4096e128", "mb25", "H100", 80, 256, 2, 8, 4, 1, 1, 2048, "none", 1, 1),
+    "r58": ("L48h2048e128", "mb26", "H100", 80, 16, 1, 1, 1, 1, 1, 1024, "none", 0, 1),
+    "r59": ("L126h16384s8192v128", "mb26", "H100", 80, 1024, 8, 8, 8, 1, 1, 1536, "none", 1, 1),
 }
 
 # What the columns of RUNS cannot hold: context parallelism, FP8, and the GPUs' memory bandwidth
@@ -242,6 +257,8 @@ MORE = {
     "r55": {"fp8": True},
     "r56": {"cp": 2, "fp8": True},
     "r57": {"ep": 32, "etp": 1, "fp8": True},
+    "r58": {"ep": 16, "fp8": True},
+    "r59": {"cp": 2, "fp8": True},
 }
 MEMORY_BW = {"t24": 2400e9}
 
@@ -301,6 +318,8 @@ REPORTED = {
     "r55": ("tokens", 1602),
     "r56": ("tokens", 292),
     "r57": ("tokens", 1575),
+    "r58": ("tokens", 8826),
+    "r59": ("tokens", 326),
 }
 
 NAMES = {
@@ -358,6 +377,8 @@ NAMES = {
     "r55": "Megatron-Bridge Llama 3 70B TP4 PP8 VP5 FP8 on 64 H100, seq 8192",
     "r56": "Megatron-Bridge Llama 3.1 405B TP8 PP8 CP2 VP8 FP8 on 1024 H100, seq 8192",
     "r57": "Megatron-Bridge Qwen3-235B-A22B MoE TP2 PP8 VP4 EP32 FP8 on 256 H100, seq 4096",
+    "r58": "Megatron-Bridge 26.06 Qwen3-30B-A3B MoE EP16 FP8 on 16 H100, seq 4096",
+    "r59": "Megatron-Bridge 26.06 Llama 3.1 405B TP8 PP8 CP2 VP8 FP8 on 1024 H100, seq 8192",
 }
 
 # What section 3.3.2 of Dubey et al. states of both Llama 3 rows' layout.
@@ -603,6 +624,22 @@ EVIDENCE = {
         "holds it; 'In MoE training benchmarks, we force-balance the token distribution among "
         "experts and all benchmarks are token-dropless.'"
     ),
+    "r58": (
+        "26.06 NeMo Container, Pre-Training Performance, Model: Qwen3_30B_a3B: DGX-H100 | 16 | "
+        "FP8 | 1024 | 1 | 4096 | 1 | 1 | 1 | n/a | 16 | 8826 | 203 (System, #-GPUs, Precision, "
+        "GBS, MBS, Sequence Length, TP, PP, CP, VP, EP, Tokens / sec / GPU, Model TFLOP / sec / "
+        "GPU); v0.5.0's QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: num_gpus=16, "
+        "global_batch_size=1024, expert_model_parallel_size=16, moe_a2a_overlap=False; 'In MoE "
+        "training benchmarks, we force-balance the token distribution among experts and all "
+        "benchmarks are token-dropless.'"
+    ),
+    "r59": (
+        "26.06 NeMo Container, Pre-Training Performance, Model: LLAMA3.1_405B: DGX-H100 | 1024 | "
+        "FP8 | 1536 | 1 | 8192 | 8 | 8 | 2 | 8 | n/a | 326 | 822 (System, #-GPUs, Precision, "
+        "GBS, MBS, Sequence Length, TP, PP, CP, VP, EP, Tokens / sec / GPU, Model TFLOP / sec / "
+        "GPU); v0.5.0's LLAMA31_405B_PRETRAIN_CONFIG_H100_FP8_CS_V2: V1 (tp 8, pp 8, cp 2, vp "
+        "8) with global_batch_size=1536"
+    ),
 }
 
 
@@ -699,8 +736,8 @@ ASSUMED = {
         "no activation recompute",
         "flash attention at FlashAttention-2's rates (Transformer Engine's fused attention)",
         "capacity 1 (the table's routing is force-balanced and dropless)",
-        "the expert-parallel group placed as minidist's mesh places dp, pp inside it (Megatron "
-        "puts pp outermost, so its ep 8 stays on one node's NVLink)",
+        "the expert-parallel group placed in Megatron-Core's rank order, pp outermost "
+        "(profiles.STAGES_OUTERMOST): its ep 8 on one node's NVLink",
     ],
     "r55": MEGATRON_BRIDGE_LLAMA_ASSUMED,
     "r56": MEGATRON_BRIDGE_LLAMA_ASSUMED,
@@ -714,4 +751,12 @@ ASSUMED = {
         "ranks first, then dp's",
         "the all-to-alls exposed (the preset's moe_a2a_overlap not priced)",
     ],
+    "r58": [
+        "Megatron-Core's distributed optimizer as ZeRO-1",
+        "no activation recompute (qwen3_llm_pretrain.py's set_qwen3_common_configs)",
+        "flash attention at FlashAttention-2's rates (Transformer Engine's fused attention)",
+        "capacity 1 (the table's routing is force-balanced and dropless)",
+        "the all-to-alls exposed, as its preset runs them (moe_a2a_overlap=False)",
+    ],
+    "r59": MEGATRON_BRIDGE_LLAMA_ASSUMED,
 }

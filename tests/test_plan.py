@@ -321,7 +321,7 @@ def test_cli_table_json_and_png(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--png", str(png))
     assert code == 0, err
     assert "why the best wins" in out and png.stat().st_size > 1000
-    assert "band: the best step" in out and "published runs (-20.9% to +12.6%)" in out
+    assert "band: the best step" in out and "published runs (-20.5% to +12.7%)" in out
     code, out, _ = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--json")
     first = json.loads(out)["layouts"][0]
     assert first["seconds"] == pytest.approx(sum(first["parts"].values()))

@@ -215,6 +215,8 @@ RANKING = {
     "r55": INF,
     "r56": 0.0,
     "r57": 0.353,
+    "r58": 0.424,
+    "r59": 0.0,
 }
 
 
@@ -243,7 +245,7 @@ def test_the_error_band_is_drawn_from_these_errors():
     low, high = plan.error_band(10.0)
     assert (low, high) == pytest.approx((10 / (1 + percentile(0.9)), 10 / (1 + percentile(0.1))))
     inside = [e for e in errors if percentile(0.1) <= e <= percentile(0.9)]
-    assert abs(len(inside) / len(errors) - 0.8) < 0.05, len(inside)  # 41 of 51 runs
+    assert abs(len(inside) / len(errors) - 0.8) < 0.05, len(inside)  # 41 of 53 runs
 
 
 def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
@@ -267,8 +269,13 @@ def test_the_plan_ranks_the_published_layout_first_or_within_5_percent():
     # (r57): the planner prefers tp 2 x pp 4 x dp 32 with ep 8 over tp and dp (35.3% faster),
     # whose ep group is one node's in Megatron-Core's rank order, where the published ep 32
     # spans four nodes: 12.9 s of all-to-alls, exposed in the planner, which the run's preset
-    # overlaps with compute (moe_a2a_overlap, not priced: lesson 13's misses)
-    want = ["r03", "r04", "r21", "r37", "r38", "r39", "r40", "r55", "r57"]
+    # overlaps with compute (moe_a2a_overlap, not priced: lesson 13's misses); Qwen3-30B-A3B on
+    # 26.06 (r58): the planner prefers ep 8 on one node with microbatches of 2 (42.4% faster),
+    # since it prices the published ep 16's all-to-alls across two nodes at 17.2 s, each token's
+    # copies to its experts on the other node sent over the network one by one; the run's flex
+    # dispatcher (moe_flex_dispatcher_backend="hybridep") forwards between NVLink and the
+    # network as DeepEP's kernels do (DeepEP's README), which is not modelled
+    want = ["r03", "r04", "r21", "r37", "r38", "r39", "r40", "r55", "r57", "r58"]
     assert misses == want, misses
 
 
