@@ -86,7 +86,9 @@ SOURCES = {
 # rows ran DeepSpeed's ZeRO-3 (section 5.2: "ZeRO-3 ... as implemented in DeepSpeed"). MT-NLG,
 # BLOOM and GPT-NeoX-20B (s22, b22, x22) ran DeepSpeed's pipeline engine. MosaicML's MPT
 # benchmarks (m23) ran PyTorch FSDP (llm-foundry's yamls: fsdp_config); Llama 3 (d24) its own
-# FSDP (Dubey et al., section 3.3.2).
+# FSDP (Dubey et al., section 3.3.2). Megatron-Bridge (mb25, mb26) runs Megatron-Core, and its
+# Llama recipes on H100 overlap tensor-parallel traffic with the matmuls as well (r55, r56, r59:
+# comm_overlap.tp_comm_overlap_cfg, cited at the profile), its Qwen3 recipes not.
 PROFILE = {
     "n21": "megatron",
     "k22": "megatron",
@@ -100,6 +102,7 @@ PROFILE = {
     "mb26": "megatron-core",
     **dict.fromkeys(("r00", "r01", "r02", "r03"), "ddp"),
     **dict.fromkeys(("r10", "r11", "r12", "r13", "r14", "r15"), "deepspeed"),
+    **dict.fromkeys(("r55", "r56", "r59"), "megatron-core-tp-overlap"),
 }
 
 # Whose pipelines have no interleaved schedule (v = 1 only): DeepSpeed's pipeline engine
@@ -666,15 +669,16 @@ TORCHTITAN_ASSUMED = [
 ]
 
 # What Megatron-Bridge's 25.11 table leaves to us of its Llama rows, read from the v0.2.0 tag
-# (SOURCES["mb25"]); its performance recipes also overlap tensor-parallel traffic with the
-# matmuls (tp_comm_overlap with Transformer Engine's userbuffers: recipes/llama/llama3.py), which
-# the planner does not price.
+# (SOURCES["mb25"]), and its 26.06 table of r59, from v0.5.0 (SOURCES["mb26"]); their
+# performance recipes overlap tensor-parallel traffic with the matmuls (tp_comm_overlap with
+# Transformer Engine's userbuffers: PROFILE's megatron-core-tp-overlap).
 MEGATRON_BRIDGE_LLAMA_ASSUMED = [
     "Megatron-Core's distributed optimizer as ZeRO-1 (use_distributed_optimizer=True)",
     "sequence parallelism (WorkloadBaseConfig.sequence_parallel: tp > 1)",
     "no activation recompute (the H100 FP8 presets set none)",
     "flash attention at FlashAttention-2's rates (Transformer Engine's fused attention)",
-    "tensor-parallel traffic exposed (the recipes' tp_comm_overlap not priced)",
+    "tensor-parallel traffic hidden behind the layer's matmuls, as far as they last (the "
+    "recipes' tp_comm_overlap)",
 ]
 
 ASSUMED = {

@@ -39,7 +39,9 @@ Time per step (the slowest stage):
                   tp <= g stays on the node's links, a larger tp crosses the network
     tensor par.   4 all-reduces of s b h bf16 values per layer and microbatch (6 with full
                   recompute), + 1 for the vocabulary-parallel embedding (forward) on the first
-                  stage and 1 for the output layer (backward) on the last (both if pp = 1)
+                  stage and 1 for the output layer (backward) on the last (both if pp = 1);
+                  the layers' behind their matmuls where the framework overlaps them
+                  (profiles.exposed_tp_seconds)
     pipeline p2p  2 m v messages of s b h / t bf16 values each way between stages (across
                   nodes on the sending GPU's own card if they span nodes), all-gathered over
                   tp on arrival (Narayanan et al., section 4.1); s b h, not gathered, as
@@ -432,7 +434,13 @@ def step(
     tp_group = network.spread(1, x.tp, g)
     tp_ar, _ = network.collective_seconds(cluster, "all_reduce", tp_group, act, eff.network)
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
-    t_tp = (layers * (6 if x.recompute == "full" else 4) + ends) * tp_ar
+    # the layer's linear matmuls on this rank, one microbatch: 2 x its active parameters a
+    # token's forward, 3 passes (4 with full recompute), at the FP8 rate where the run has it
+    passes = 4 if x.recompute == "full" else 3
+    linear_rate = cluster.gpu.fp8_flops * share if x.fp8 and cluster.gpu.fp8_flops else bf16
+    gemm = passes * 2 * shape.active_layer_params(capacity=True) * rank_tokens / linear_rate
+    per_layer = (6 if x.recompute == "full" else 4) * tp_ar
+    t_tp = layers * profiles.exposed_tp_seconds(profile, per_layer, gemm) + ends * tp_ar
     t_cp = layers * cp_seconds(shape, x, cluster, eff, e, bf16)
     t_ep = layers * ep_seconds(shape, x, cluster, eff, e, profile.order)
     across = apart["pp"] * x.pp > g  # a pipeline whose stages span nodes

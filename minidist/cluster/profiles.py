@@ -22,12 +22,16 @@ what recompute runs again; L the stage's layers):
                       behind:  a + r + m (U max(0, a - F/U) + U max(0, a + r - B/U))
                       (a = t_ag / U, r = t_rs / U): compute hides at most one piece's traffic
                       at a time, never a whole step's at once
+Tensor-parallel traffic (t: one layer's all-reduces, or sp's all-gathers and reduce-scatters,
+of one microbatch; G: the layer's linear matmuls on the rank): exposed, t, unless the profile
+splits each matmul into chunks and passes one chunk's activations while it multiplies the next
+(overlap_tp): max(0, t - G) (exposed_tp_seconds).
 Optimizer step: OPTIMIZER_BYTES read and written per parameter it updates, at the memory's
 bandwidth (ZeRO: the rank's 1/dp shard).
 Rank order: which ranks are neighbours, so which of a group's ranks share a node (plan.strides):
 minidist and Llama 3 put the dp replicas outermost, Megatron-LM, Megatron-Core and DeepSpeed the
 pipeline's stages.
-Ladder: Profile (the data) -> exposed_dp_seconds (the rule) -> plan.step.
+Ladder: Profile (the data) -> exposed_dp_seconds, exposed_tp_seconds (the rules) -> plan.step.
 Paper: the frameworks' code, cited at each profile.   Lesson: lessons/13_beyond_one_machine/.
 Run: minidist plan --framework deepspeed ...
 """
@@ -57,7 +61,8 @@ class Profile:
     during the last microbatch's backward (overlap_grads) and ZeRO-1/2's parameter all-gather
     during the next forward (overlap_params); units: how many pieces ZeRO-3 gathers a layer in,
     one ahead of the other; source: where that is written; order: the rank order, innermost
-    first, which decides which ranks of a group share a node (plan.strides)."""
+    first, which decides which ranks of a group share a node (plan.strides); overlap_tp: the
+    tensor-parallel collectives run behind the layer's matmuls."""
 
     name: str
     overlap_grads: bool
@@ -65,6 +70,7 @@ class Profile:
     source: str
     units: int = 1
     order: str = MINIDIST_ORDER
+    overlap_tp: bool = False
 
 
 # [MEGATRON] NVIDIA/Megatron-LM as Narayanan et al. (SC 2021) and Korthikanti et al. (2022) ran
@@ -77,6 +83,13 @@ class Profile:
 # [MCORE] Megatron-Core: --overlap-grad-reduce ("overlap DDP grad reduce" during the backward of
 #   the last microbatch) and --overlap-param-gather (the distributed optimizer's all-gather during
 #   the next forward), megatron/training/arguments.py.
+# [TP-OVERLAP] Megatron-Core's --tp-comm-overlap ("Enables the overlap of Tensor parallel
+#   communication and GEMM kernels", megatron/training/arguments.py), Transformer Engine's
+#   userbuffers, as NVIDIA Megatron-Bridge's performance recipes for Llama 3 and 3.1 on H100 run
+#   it (scripts/performance/configs/llama3/llama3_llm_pretrain.py and llama31/, tags v0.2.0
+#   and v0.5.0: comm_overlap.tp_comm_overlap_cfg = userbuffers_fp8_h100_h8192_tp4_mbs1_
+#   seqlen8192, ..._h16384_tp8_cp2_mbs1_seqlen8192); its Qwen3 recipes set
+#   CommOverlapConfig(tp_comm_overlap=False) on H100.
 # [DEEPSPEED] microsoft/DeepSpeed: the pipeline engine's TrainSchedule (deepspeed/runtime/pipe/
 #   schedule.py) issues ReduceTiedGrads, ReduceGrads and OptimizerStep after the last backward;
 #   ZeRO-3 reduces with overlap_comm (ZERO3_OPTIMIZATION_OVERLAP_COMM_DEFAULT = True,
@@ -95,6 +108,14 @@ PROFILES = {
     ),
     "megatron-core": Profile(
         "megatron-core", True, True, "[MCORE] --overlap-grad-reduce/param", order=STAGES_OUTERMOST
+    ),
+    "megatron-core-tp-overlap": Profile(
+        "megatron-core-tp-overlap",
+        True,
+        True,
+        "[MCORE] and [TP-OVERLAP] tp collectives behind the matmuls",
+        order=STAGES_OUTERMOST,
+        overlap_tp=True,
     ),
     # ZeRO-3 by module: the four matrices of a layer, each about a prefetch bucket
     "deepspeed": Profile(
@@ -116,6 +137,13 @@ DEFAULT = "megatron-core"
 # (4), Adam on the float32 parameter, gradient and two moments (16 read, 12 written), the
 # parameter copied back to 2 bytes (4 + 2), the gradient buffer zeroed (2). A count, not a fit.
 OPTIMIZER_BYTES = 54
+
+
+def exposed_tp_seconds(profile: Profile, t: float, gemm: float) -> float:
+    """Seconds of one layer's tensor-parallel traffic (t, one microbatch's) left on the critical
+    path: all of it, or with overlap_tp what the layer's linear matmuls (gemm seconds) cannot
+    cover (the docstring's rule)."""
+    return max(0.0, t - gemm) if profile.overlap_tp else t
 
 
 def exposed_dp_seconds(profile: Profile, zero: int, t: dict, m: int, f: float, b: float, L: int):
