@@ -79,7 +79,8 @@ class Profile:
 # [DDP] PyTorch DistributedDataParallel (torch/nn/parallel/distributed.py: buckets of gradients
 #   all-reduced from autograd hooks as the backward produces them; no_sync() for the microbatches
 #   before the last, as Megatron-LM's forward_backward_no_pipelining wraps them);
-#   examples/sc21/run_table_1.sh of Megatron-LM sets DDP=torch up to 18B.
+#   examples/sc21/run_table_1.sh of Megatron-LM sets DDP=torch up to 18B (so Megatron-LM's rank
+#   order).
 # [MCORE] Megatron-Core: --overlap-grad-reduce ("overlap DDP grad reduce" during the backward of
 #   the last microbatch) and --overlap-param-gather (the distributed optimizer's all-gather during
 #   the next forward), megatron/training/arguments.py.
@@ -119,7 +120,12 @@ PROFILES = {
     ),
     # ZeRO-3 by module: the four matrices of a layer, each about a prefetch bucket
     "deepspeed": Profile(
-        "deepspeed", False, False, "[DEEPSPEED] gradients after the flush", 4, STAGES_OUTERMOST
+        "deepspeed",
+        False,
+        False,
+        "[DEEPSPEED] gradients after the flush",
+        4,
+        order=STAGES_OUTERMOST,
     ),
     # a unit a transformer block, as llm-foundry and Llama 3 wrap them
     "fsdp": Profile("fsdp", True, True, "[FSDP] reduce-scatter in the backward, gather ahead"),
