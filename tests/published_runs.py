@@ -79,8 +79,8 @@ SOURCES = {
     ),
 }
 
-# Each source's framework, as minidist/cluster/profiles.py names it (where its data-parallel
-# traffic hides behind compute; the profiles cite the frameworks' code). Megatron-LM (n21, k22):
+# Each source's framework, as minidist/cluster/profiles.py names it (what traffic hides behind
+# compute, and the rank order; the profiles cite the frameworks' code). Megatron-LM (n21, k22):
 # its own DDP, gradients after the last microbatch; except where examples/sc21/run_table_1.sh sets
 # DDP=torch (PyTorch's DistributedDataParallel), up to 18B: r00 to r03. Narayanan et al.'s ZeRO-3
 # rows ran DeepSpeed's ZeRO-3 (section 5.2: "ZeRO-3 ... as implemented in DeepSpeed"). MT-NLG,

@@ -6,7 +6,7 @@ in plan.VALIDATION_ERRORS (ERRORS here, checked to 0.1%) so that a change to the
 as a change of numbers. Target: the median absolute error over the other runs at most 15%. Second
 check: among the layouts with the run's own techniques (its recompute, sequence parallelism, ZeRO
 stage, flash attention; without model parallelism where the run had none; its framework's
-execution profile, published.PROFILE: what data-parallel traffic hides behind compute; no
+execution profile, published.PROFILE: what traffic hides behind compute, where ranks sit; no
 interleaving where its pipeline has none, published.NO_INTERLEAVING), the planner ranks
 first the published layout or one predicted within 5% of it; RANKING pins the gap for every run.
 `python tests/test_published_runs.py` prints the table lesson 13 shows (a test keeps them equal).

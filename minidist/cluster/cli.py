@@ -118,7 +118,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--framework",
         choices=[k for k in profiles.PROFILES if k != "minidist"],
-        help=f"whose overlap of data-parallel traffic and rank order (default {profiles.DEFAULT}; "
+        help=f"whose overlap of traffic with compute, and rank order (default {profiles.DEFAULT}; "
         "cluster/profiles.py cites each)",
     )
     for flag in ONLY:

@@ -403,9 +403,9 @@ def step(
     peak with fp8) x efficiency x matmul_share, the rest of the work (elementwise_nbytes) at the
     memory's bandwidth. psi: a rank's parameters, which dp syncs (default the dense ones / (pp
     tp) and its experts / ep cut over etp, on its stage: no biases, norms or positions, < 0.1%
-    of a large model). profile:
-    the framework (cluster/profiles.py), which decides what dp traffic hides behind compute,
-    and by its rank order which groups share a node; default profiles.DEFAULT."""
+    of a large model). profile: the framework (cluster/profiles.py), which decides what dp and
+    tp traffic hides behind compute, and by its rank order which groups share a node; default
+    profiles.DEFAULT."""
     x = layout
     h = shape.hidden
     m = x.microbatches(batch)
@@ -414,8 +414,10 @@ def step(
     layers = stage_layers(shape, x)
     share = eff.compute * matmul_share(shape, x, cluster.gpu)
     bf16 = cluster.gpu.peak_flops * share
+    # the layers' linear matmuls at the FP8 rate with fp8 (bf16's on a GPU without one)
+    linear_rate = (cluster.gpu.fp8_flops * share or bf16) if x.fp8 else bf16
     linear = linear_share(shape, x.recompute) if x.fp8 else 0.0
-    per_flop = linear / (cluster.gpu.fp8_flops * share or bf16) + (1 - linear) / bf16
+    per_flop = linear / linear_rate + (1 - linear) / bf16
     elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
     # a fused attention kernel's measured time replaces its FLOPs at the matmul rate, layer by
     # layer (cluster/attention.py); 0 where none is measured or attention is not fused
@@ -435,9 +437,8 @@ def step(
     tp_ar, _ = network.collective_seconds(cluster, "all_reduce", tp_group, act, eff.network)
     ends = 2 if x.pp == 1 else 1  # the embedding's all-reduce (forward), the head's (backward)
     # the layer's linear matmuls on this rank, one microbatch: 2 x its active parameters a
-    # token's forward, 3 passes (4 with full recompute), at the FP8 rate where the run has it
+    # token's forward, 3 passes (4 with full recompute), at linear_rate
     passes = 4 if x.recompute == "full" else 3
-    linear_rate = cluster.gpu.fp8_flops * share if x.fp8 and cluster.gpu.fp8_flops else bf16
     gemm = passes * 2 * shape.active_layer_params(capacity=True) * rank_tokens / linear_rate
     per_layer = (6 if x.recompute == "full" else 4) * tp_ar
     t_tp = layers * profiles.exposed_tp_seconds(profile, per_layer, gemm) + ends * tp_ar

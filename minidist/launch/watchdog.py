@@ -91,7 +91,8 @@ class Outcome:
 
 
 def _write(folder: str, name: str, text: str) -> None:
-    write_whole(os.path.join(folder, name), text.encode())  # the launcher never reads half
+    # at once whole: the launcher never reads half a file
+    write_whole(os.path.join(folder, name), text.encode())
 
 
 def rank_main(argv: list[str]) -> None:
