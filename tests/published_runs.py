@@ -105,11 +105,6 @@ PROFILE = {
     **dict.fromkeys(("r55", "r56", "r59"), "megatron-core-tp-overlap"),
 }
 
-# Whose pipelines have no interleaved schedule (v = 1 only): DeepSpeed's pipeline engine
-# trains with TrainSchedule, plain 1F1B (deepspeed/runtime/pipe/schedule.py holds it and the
-# inference schedule, nothing interleaved).
-NO_INTERLEAVING = ("s22", "b22", "x22")
-
 # Whose models train without dropout, so no layer keeps a dropout mask for backward (torch's
 # dropout at p = 0 returns its input): GPT-NeoX-20B (configs/20B.yml: "hidden-dropout": 0,
 # "attention-dropout": 0); MosaicML's MPT (llm-foundry's MPTConfig defaults attn_pdrop,

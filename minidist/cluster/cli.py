@@ -118,8 +118,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--framework",
         choices=[k for k in profiles.PROFILES if k != "minidist"],
-        help=f"whose overlap of traffic with compute, and rank order (default {profiles.DEFAULT}; "
-        "cluster/profiles.py cites each)",
+        help=f"whose overlap of traffic with compute, rank order and compute rate (default "
+        f"{profiles.DEFAULT}; cluster/profiles.py cites each)",
     )
     for flag in ONLY:
         p.add_argument(f"--{flag.replace('_', '-')}", help="only layouts with this")

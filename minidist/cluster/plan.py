@@ -404,7 +404,8 @@ def step(
     memory's bandwidth. psi: a rank's parameters, which dp syncs (default the dense ones / (pp
     tp) and its experts / ep cut over etp, on its stage: no biases, norms or positions, < 0.1%
     of a large model). profile: the framework (cluster/profiles.py), which decides what dp and
-    tp traffic hides behind compute, and by its rank order which groups share a node; default
+    tp traffic hides behind compute, by its rank order which groups share a node, and by its
+    compute share the matmuls' rate (DeepSpeed's below the calibrated one); default
     profiles.DEFAULT."""
     x = layout
     h = shape.hidden
@@ -412,7 +413,7 @@ def step(
     tokens = shape.seq * x.b / x.cp  # a microbatch's tokens on one cp rank
     profile = profile or profiles.PROFILES[profiles.DEFAULT]
     layers = stage_layers(shape, x)
-    share = eff.compute * matmul_share(shape, x, cluster.gpu)
+    share = eff.compute * profile.compute * matmul_share(shape, x, cluster.gpu)
     bf16 = cluster.gpu.peak_flops * share
     # the layers' linear matmuls at the FP8 rate with fp8 (bf16's on a GPU without one)
     linear_rate = (cluster.gpu.fp8_flops * share or bf16) if x.fp8 else bf16
@@ -608,8 +609,12 @@ def evaluate(
 ) -> Plan:
     """The verdict on one layout; memory must fit in headroom x the GPU's memory (the rest:
     the framework, fragmentation, buffers: an assumption), and only a layout that fits is
-    priced. e: bytes of a value, profile: the framework (step)."""
+    priced. e: bytes of a value, profile: the framework (step; it refuses an interleaved
+    pipeline where it has none)."""
     why = problems(shape, layout, gpus, batch)
+    profile = profile or profiles.PROFILES[profiles.DEFAULT]
+    if layout.v > 1 and not profile.interleaves:
+        why.append(f"v={layout.v}: {profile.name}'s pipeline does not interleave (v=1 only)")
     if layout.fp8 and not cluster.gpu.fp8_flops:
         why.append(f"fp8: the {cluster.gpu.name} has no FP8 tensor cores")
     if why:

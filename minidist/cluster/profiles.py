@@ -1,8 +1,10 @@
 """How a framework runs a step, where it decides the time: which data-parallel traffic hides
-behind which compute, what the optimizer step moves through memory, and where its ranks sit.
+behind which compute, what the optimizer step moves through memory, where its ranks sit, and
+(DeepSpeed's, fitted) what share of the calibrated compute rate its runs reach.
 
-Equals: nothing runs here; each profile is a framework's published behaviour, cited below, and
-exposed_dp_seconds() is the rule it implies. plan.step asks it how much of a step's data-parallel
+Equals: nothing runs here; each profile is a framework's published behaviour, cited below (but
+DeepSpeed's compute share, fitted on one run: cluster/evidence.py), and exposed_dp_seconds() is
+the rule it implies. plan.step asks it how much of a step's data-parallel
 traffic stays on the critical path; tests/test_plan.py checks each rule on numbers.
 Data-parallel traffic per step (t_x: one collective of a rank's 2-byte parameters or gradients,
 priced by cluster/network.py; F, B: one microbatch's forward and backward on the stage, B with
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minidist.cluster.evidence import DEEPSPEED_COMPUTE
+
 # The rank orders, innermost first (ep is carved out of dp in both, after tp's spare ranks).
 # minidist's mesh (mesh.py: arange(world).view(dp, pp, cp, tp)), as Llama 3 orders its
 # parallelism, "[TP, CP, PP, DP]" (Dubey et al., 2024, section 3.3.2): a stage's neighbours are
@@ -62,7 +66,11 @@ class Profile:
     during the next forward (overlap_params); units: how many pieces ZeRO-3 gathers a layer in,
     one ahead of the other; source: where that is written; order: the rank order, innermost
     first, which decides which ranks of a group share a node (plan.strides); overlap_tp: the
-    tensor-parallel collectives run behind the layer's matmuls."""
+    tensor-parallel collectives run behind the layer's matmuls; compute: the share of the GPU's
+    calibrated compute efficiency (evidence.CALIBRATED, fitted on Megatron-LM's and Llama 3's
+    runs) the framework's runs reach: fitted for DeepSpeed (evidence.DEEPSPEED_COMPUTE), 1 for
+    the others; interleaves: its pipeline runs an interleaved schedule (v > 1), else
+    plan.evaluate refuses v > 1."""
 
     name: str
     overlap_grads: bool
@@ -71,6 +79,8 @@ class Profile:
     units: int = 1
     order: str = MINIDIST_ORDER
     overlap_tp: bool = False
+    compute: float = 1.0
+    interleaves: bool = True
 
 
 # [MEGATRON] NVIDIA/Megatron-LM as Narayanan et al. (SC 2021) and Korthikanti et al. (2022) ran
@@ -95,7 +105,9 @@ class Profile:
 #   schedule.py) issues ReduceTiedGrads, ReduceGrads and OptimizerStep after the last backward;
 #   ZeRO-3 reduces with overlap_comm (ZERO3_OPTIMIZATION_OVERLAP_COMM_DEFAULT = True,
 #   deepspeed/runtime/zero/constants.py) and prefetches parameters up to
-#   stage3_prefetch_bucket_size (5e7) ahead: about the next layer's matrices.
+#   stage3_prefetch_bucket_size (5e7) ahead: about the next layer's matrices. Its pipeline does
+#   not interleave: the engine trains with TrainSchedule, plain 1F1B (schedule.py holds it and
+#   the inference schedule, nothing interleaved).
 # [FSDP] PyTorch FullyShardedDataParallel (Zhao et al., VLDB 2023, section 3.3: backward
 #   prefetching, forward prefetching and a rate limiter of in-flight all-gathers): each unit's
 #   reduce-scatter runs during the backward, its all-gather one unit ahead. MosaicML's MPT
@@ -126,6 +138,8 @@ PROFILES = {
         "[DEEPSPEED] gradients after the flush",
         4,
         order=STAGES_OUTERMOST,
+        compute=DEEPSPEED_COMPUTE,
+        interleaves=False,
     ),
     # a unit a transformer block, as llm-foundry and Llama 3 wrap them
     "fsdp": Profile("fsdp", True, True, "[FSDP] reduce-scatter in the backward, gather ahead"),
