@@ -2,13 +2,15 @@
 
 Every number is read from the source named by its row (SOURCES; the quoted evidence in EVIDENCE);
 ASSUMED lists what a source does not state and the planner needed. plan.CALIBRATED is fitted on
-three rows (it names them); tests/test_published_runs.py checks the planner on every other row.
+three rows and each fitted framework's share of its compute rate on one (evidence.py names them);
+tests/test_published_runs.py checks the planner on every other row.
 Sources report one of: the iteration time (seconds), MFU (model FLOPs over peak, recompute not
 counted: Chowdhery et al., PaLM, appendix B), Megatron-LM's achieved TFLOP/s per GPU (tflops),
 which counts the extra forward pass of full recompute (Narayanan et al., SC 2021, section 5.1,
 equation 3), or tokens a second a GPU (tokens: TorchTitan's and Megatron-Bridge's tables).
-Every H100 row with flash attention is priced at FlashAttention-2's measured rates
-(minidist/cluster/attention.py): the kernel is an assumption where a source does not name it.
+Every row with flash attention is priced at its framework's kernel's measured rates
+(minidist/cluster/attention.py): FlashAttention-2's, an assumption where a source does not name
+its kernel, or the Triton FlashAttention llm-foundry's MPT benchmarks ran.
 Left out: PTD GPT-174.6B on 384 A100 (Narayanan Table 2) (tp and pp not stated (only their product,
 96)); PTD GPT-174.6B on 768 A100 (Narayanan Table 2) (the same); PTD GPT-174.6B on 1536 A100
 (Narayanan Table 2) (the same); OPT-175B on 992 A100-80GB (tensor-parallel size and batch in
@@ -85,7 +87,8 @@ SOURCES = {
 # DDP=torch (PyTorch's DistributedDataParallel), up to 18B: r00 to r03. Narayanan et al.'s ZeRO-3
 # rows ran DeepSpeed's ZeRO-3 (section 5.2: "ZeRO-3 ... as implemented in DeepSpeed"). MT-NLG,
 # BLOOM and GPT-NeoX-20B (s22, b22, x22) ran DeepSpeed's pipeline engine. MosaicML's MPT
-# benchmarks (m23) ran PyTorch FSDP (llm-foundry's yamls: fsdp_config); Llama 3 (d24) its own
+# benchmarks (m23) ran llm-foundry: PyTorch FSDP (its yamls: fsdp_config) and the Triton
+# FlashAttention its benchmark script sets (profiles.py cites it); Llama 3 (d24) its own
 # FSDP (Dubey et al., section 3.3.2). Megatron-Bridge (mb25, mb26) runs Megatron-Core, and its
 # Llama recipes on H100 overlap tensor-parallel traffic with the matmuls as well (r55, r56, r59:
 # comm_overlap.tp_comm_overlap_cfg, cited at the profile), its Qwen3 recipes not.
@@ -96,7 +99,7 @@ PROFILE = {
     "b22": "deepspeed",
     "x22": "deepspeed",
     "d24": "fsdp",
-    "m23": "fsdp",
+    "m23": "llm-foundry",
     "t24": "fsdp",
     "mb25": "megatron-core",
     "mb26": "megatron-core",
@@ -667,6 +670,16 @@ TORCHTITAN_ASSUMED = [
 # (SOURCES["mb25"]), and its 26.06 table of r59, from v0.5.0 (SOURCES["mb26"]); their
 # performance recipes overlap tensor-parallel traffic with the matmuls (tp_comm_overlap with
 # Transformer Engine's userbuffers: PROFILE's megatron-core-tp-overlap).
+# What MosaicML's benchmark table leaves to us (its MP Mode column: DEFAULT for the amp_bf16
+# rows, which reduces gradients in float32 in some Composer versions and in bf16 in others;
+# PURE for the bf16 rows, bf16)
+MPT_ASSUMED = [
+    "ffn = 4 hidden",
+    "the Triton FlashAttention at the rates measured on A100s; on H100s FlashAttention's (the "
+    "first version's), which stand in for it",
+    "gradients reduce-scattered in bf16",
+]
+
 MEGATRON_BRIDGE_LLAMA_ASSUMED = [
     "Megatron-Core's distributed optimizer as ZeRO-1 (use_distributed_optimizer=True)",
     "sequence parallelism (WorkloadBaseConfig.sequence_parallel: tp > 1)",
@@ -713,15 +726,15 @@ ASSUMED = {
     "r37": ["ffn = 4 hidden", "vocab 51,200", "v = 1"],
     "r38": LLAMA3_ASSUMED,
     "r39": LLAMA3_ASSUMED,
-    "r41": ["ffn = 4 hidden", "flash attention"],
-    "r42": ["ffn = 4 hidden", "flash attention"],
-    "r43": ["ffn = 4 hidden", "flash attention"],
-    "r44": ["ffn = 4 hidden", "flash attention"],
-    "r45": ["ffn = 4 hidden", "flash attention"],
-    "r46": ["ffn = 4 hidden", "flash attention"],
-    "r47": ["ffn = 4 hidden", "flash attention"],
-    "r48": ["ffn = 4 hidden", "flash attention"],
-    "r49": ["ffn = 4 hidden", "flash attention"],
+    "r41": MPT_ASSUMED,
+    "r42": MPT_ASSUMED,
+    "r43": MPT_ASSUMED,
+    "r44": MPT_ASSUMED,
+    "r45": MPT_ASSUMED,
+    "r46": MPT_ASSUMED,
+    "r47": MPT_ASSUMED,
+    "r48": MPT_ASSUMED,
+    "r49": MPT_ASSUMED,
     "r40": [
         *LLAMA3_ASSUMED,
         "context parallelism as a ring (the paper all-gathers keys and values)",

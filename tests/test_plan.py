@@ -122,11 +122,12 @@ def test_activations_are_korthikantis_table_2(recompute, sp, constant):
 @pytest.mark.parametrize("pp,v,m", [(1, 1, 4), (4, 1, 8), (4, 2, 8), (8, 4, 16)])
 def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     x = plan.Layout(dp=1, pp=pp, tp=1, v=v)
-    parts = plan.step(GPT3, x, A100, batch=m, eff=plan.Efficiency(compute=0.5))
+    # no fused attention kernel: attention's FLOPs at the matmul rate too
+    parts = plan.step(GPT3, x, A100, batch=m, eff=plan.Efficiency(compute=0.5), flash=False)
     rate = A100.gpu.peak_flops * 0.5 * plan.matmul_share(GPT3, x, A100.gpu)
     s = GPT3.seq
     h = GPT3.hidden
-    memory = plan.elementwise_nbytes(GPT3, x) / A100.gpu.memory_bw  # the roofline's other side
+    memory = plan.elementwise_nbytes(GPT3, x, flash=False) / A100.gpu.memory_bw  # the other side
     layers = 3 * (2 * GPT3.layer_params() + 4 * s * h) * GPT3.layers // pp  # a stage's, a token
     head = 3 * 2 * GPT3.vocab * h  # on the last stage, which sets the pace
     assert parts["compute"] == pytest.approx(m * ((layers + head) * s / rate + memory), rel=1e-12)
@@ -238,8 +239,9 @@ def test_tensor_parallel_traffic_hides_behind_the_matmuls_only_where_the_framewo
 @pytest.mark.pure
 def test_deepspeed_runs_its_matmuls_at_its_fitted_share_of_the_calibrated_rate():
     deepspeed = profiles.PROFILES["deepspeed"]
-    assert deepspeed.compute == evidence.DEEPSPEED_COMPUTE < 1
-    assert all(p.compute == 1.0 for name, p in profiles.PROFILES.items() if name != "deepspeed")
+    assert deepspeed.compute == evidence.FRAMEWORK_COMPUTE["deepspeed"] < 1
+    fitted = evidence.FRAMEWORK_COMPUTE  # llm-foundry's too, above 1
+    assert all(p.compute == fitted.get(name, 1.0) for name, p in profiles.PROFILES.items())
     # the same layout under the same traffic rules at the full rate: only the matmuls slow
     # down, the elementwise bytes stay at the memory's bandwidth (on A100s, without flash
     # attention, every FLOP is a matmul's); m = 64 / (dp 4 x b 1) = 16 microbatches
@@ -369,7 +371,7 @@ def test_cli_table_json_and_png(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--png", str(png))
     assert code == 0, err
     assert "why the best wins" in out and png.stat().st_size > 1000
-    assert "band: the best step" in out and "published runs (-16.0% to +12.2%)" in out
+    assert "band: the best step" in out and "published runs (-16.1% to +10.2%)" in out
     code, out, _ = run_cli(capsys, "--model", "llama-7b", "--gpus", "64", "--json")
     first = json.loads(out)["layouts"][0]
     assert first["seconds"] == pytest.approx(sum(first["parts"].values()))

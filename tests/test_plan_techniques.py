@@ -268,7 +268,13 @@ def test_a_fused_attention_kernel_takes_its_measured_time_not_its_flops_at_the_m
     assert attention.rates("H100", 128, 8192) == (333e12, 318e12)
     assert attention.rates("H100", 128, 131072) == (335e12, 322e12)  # flat past 16k
     assert attention.rates("H100", 128, 3000) == (298e12, 291e12)  # the nearest shorter
-    assert attention.rates("A100", 128, 8192) is None  # not measured: the matmul rate
+    # on the A100 (Dao, 2023, figure 4(d)) one rate for the forward and backward together
+    assert attention.rates("A100", 128, 8192) == (182e12, 182e12)
+    assert attention.rates("V100", 128, 8192) is None  # not measured: the matmul rate
+    # the Triton FlashAttention of llm-foundry: measured on the A100; on the H100 the first
+    # FlashAttention's rates stand in
+    assert attention.rates("A100", 128, 2048, "triton") == (68e12, 68e12)
+    assert attention.rates("H100", 128, 2048, "triton") == (108e12, 108e12)
     s, h = 8192, LLAMA70.hidden  # Llama 2 70B: 64 heads of 128
     half = 2 * s * h  # a token's causal forward FLOPs in one layer
     want = half / 333e12 + 2.5 * half / 318e12
@@ -289,7 +295,15 @@ def test_a_fused_attention_kernel_takes_its_measured_time_not_its_flops_at_the_m
     assert fused - plain == pytest.approx(change, rel=1e-9)
     # float32 values or no flash: no fused kernel
     assert plan.attention_seconds_per_token(shape, x, H100, False, rate) == 0.0
-    assert plan.attention_seconds_per_token(shape, x, A100, True, rate) == 0.0
+    # the framework's kernel: llm-foundry's Triton one, at its rates
+    triton = half / 135e12 + 2.5 * half / 135e12  # at 8k
+    got = plan.attention_seconds_per_token(shape, x, H100, True, rate, "triton")
+    assert got == pytest.approx(triton - 3 * 4 * s * h / rate)
+    foundry = profiles.PROFILES["llm-foundry"]
+    with_flash2 = replace(foundry, attention="flash2")
+    a = plan.step(shape, x, H100, 512, eff, profile=foundry)["compute"]
+    b = plan.step(shape, x, H100, 512, eff, profile=with_flash2)["compute"]
+    assert a - b == pytest.approx(shape.layers * tokens * (triton - want), rel=1e-9)
 
 
 def test_the_search_tries_every_interleaving_that_divides_a_stage():

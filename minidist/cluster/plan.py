@@ -422,7 +422,9 @@ def step(
     elementwise = elementwise_nbytes(shape, x, flash, e) / cluster.gpu.memory_bw
     # a fused attention kernel's measured time replaces its FLOPs at the matmul rate, layer by
     # layer (cluster/attention.py); 0 where none is measured or attention is not fused
-    fused = attention_seconds_per_token(shape, x, cluster, flash and e == 2, bf16)
+    fused = attention_seconds_per_token(
+        shape, x, cluster, flash and e == 2, bf16, profile.attention
+    )
     slowest_layers, _, fullest_layers = stage_layer_counts(shape, x)
     slowest_flops, fullest_flops = stage_flops_per_token(shape, x)
     rank_tokens = tokens / x.tp
@@ -490,22 +492,25 @@ def strides(x: Layout, order: str) -> dict[str, int]:
 
 
 def attention_seconds_per_token(
-    shape: Shape, x: Layout, cluster: Cluster, flash: bool, rate: float
+    shape: Shape, x: Layout, cluster: Cluster, flash: bool, rate: float, kernel: str = "flash2"
 ) -> float:
     """What a fused attention kernel changes in one layer's time per token (all tp ranks): its
-    measured seconds (cluster/attention.py, at the kernel's length s/cp) less the attention's
-    FLOPs as shapes.py counts them (3 x 4 s h, + 4 s h recomputed by full or selective) at
-    the bf16 matmul rate (FLOP/s; FP8 never runs them). 0 without flash (step() passes none
-    for float32 values too: the kernels run bf16 and fp16), or where no rate is measured."""
+    measured seconds (cluster/attention.py's kernel, the framework's: profiles.Profile.attention,
+    at the kernel's length s/cp) less the attention's FLOPs as shapes.py counts them (3 x 4 s h,
+    + 4 s h recomputed by full or selective) at the bf16 matmul rate (FLOP/s; FP8 never runs
+    them). 0 without flash (step() passes none for float32 values too: the kernels run bf16 and
+    fp16), or where no rate is measured."""
     if not flash:
         return 0.0
     gen = generation(cluster)
     s, h = shape.seq, shape.q_width()  # the attention's FLOPs are 4 s heads d
-    kernel = attention.seconds_per_token(gen, shape.head_width(), s, h, x.recompute, s // x.cp)
-    if kernel is None:
+    measured = attention.seconds_per_token(
+        gen, shape.head_width(), s, h, x.recompute, s // x.cp, kernel
+    )
+    if measured is None:
         return 0.0
     again = 1 if x.recompute in ("full", "selective") else 0
-    return kernel - (3 + again) * 4 * s * h / rate
+    return measured - (3 + again) * 4 * s * h / rate
 
 
 def cp_seconds(shape: Shape, x: Layout, cluster: Cluster, eff, e: int, rate: float) -> float:

@@ -1,9 +1,10 @@
 """How a framework runs a step, where it decides the time: which data-parallel traffic hides
-behind which compute, what the optimizer step moves through memory, where its ranks sit, and
-(DeepSpeed's, fitted) what share of the calibrated compute rate its runs reach.
+behind which compute, what the optimizer step moves through memory, where its ranks sit, which
+attention kernel it runs, and (DeepSpeed's and llm-foundry's, fitted) what share of the
+calibrated compute rate its runs reach.
 
 Equals: nothing runs here; each profile is a framework's published behaviour, cited below (but
-DeepSpeed's compute share, fitted on one run: cluster/evidence.py), and exposed_dp_seconds() is
+the compute shares, each fitted on one run: cluster/evidence.py), and exposed_dp_seconds() is
 the rule it implies. plan.step asks it how much of a step's data-parallel
 traffic stays on the critical path; tests/test_plan.py checks each rule on numbers.
 Data-parallel traffic per step (t_x: one collective of a rank's 2-byte parameters or gradients,
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.cluster.evidence import DEEPSPEED_COMPUTE
+from minidist.cluster.evidence import FRAMEWORK_COMPUTE
 
 # The rank orders, innermost first (ep is carved out of dp in both, after tp's spare ranks).
 # minidist's mesh (mesh.py: arange(world).view(dp, pp, cp, tp)), as Llama 3 orders its
@@ -68,9 +69,10 @@ class Profile:
     first, which decides which ranks of a group share a node (plan.strides); overlap_tp: the
     tensor-parallel collectives run behind the layer's matmuls; compute: the share of the GPU's
     calibrated compute efficiency (evidence.CALIBRATED, fitted on Megatron-LM's and Llama 3's
-    runs) the framework's runs reach: fitted for DeepSpeed (evidence.DEEPSPEED_COMPUTE), 1 for
+    runs) the framework's runs reach: fitted where evidence.FRAMEWORK_COMPUTE has it, 1 for
     the others; interleaves: its pipeline runs an interleaved schedule (v > 1), else
-    plan.evaluate refuses v > 1."""
+    plan.evaluate refuses v > 1; attention: its fused attention kernel, where a run has one
+    (cluster/attention.py's KERNELS)."""
 
     name: str
     overlap_grads: bool
@@ -81,6 +83,7 @@ class Profile:
     overlap_tp: bool = False
     compute: float = 1.0
     interleaves: bool = True
+    attention: str = "flash2"
 
 
 # [MEGATRON] NVIDIA/Megatron-LM as Narayanan et al. (SC 2021) and Korthikanti et al. (2022) ran
@@ -112,6 +115,11 @@ class Profile:
 #   prefetching, forward prefetching and a rate limiter of in-flight all-gathers): each unit's
 #   reduce-scatter runs during the backward, its all-gather one unit ahead. MosaicML's MPT
 #   benchmarks (llm-foundry) and Llama 3's training (Dubey et al., 2024, section 3.3.2) run so.
+# [LLM-FOUNDRY] MosaicML's llm-foundry as its MPT benchmarks ran it (scripts/train/benchmarking/:
+#   submit_benchmarks.py, --attn_impl default 'triton', which sweep.sh never sets, in every
+#   version of the README's tables, through b2a43a1 of 2023-10-19 that added the H100 rows):
+#   FSDP as [FSDP], attention by llmfoundry/models/layers/flash_attn_triton.py, a copy of
+#   FlashAttention's Triton implementation.
 PROFILES = {
     "megatron": Profile(
         "megatron", False, False, "[MEGATRON] gradients after the flush", order=STAGES_OUTERMOST
@@ -138,11 +146,20 @@ PROFILES = {
         "[DEEPSPEED] gradients after the flush",
         4,
         order=STAGES_OUTERMOST,
-        compute=DEEPSPEED_COMPUTE,
+        compute=FRAMEWORK_COMPUTE["deepspeed"],
         interleaves=False,
     ),
     # a unit a transformer block, as llm-foundry and Llama 3 wrap them
     "fsdp": Profile("fsdp", True, True, "[FSDP] reduce-scatter in the backward, gather ahead"),
+    # FSDP's, with a Triton attention kernel and its own compute share (fitted: evidence.py)
+    "llm-foundry": Profile(
+        "llm-foundry",
+        True,
+        True,
+        "[LLM-FOUNDRY] FSDP, Triton FlashAttention",
+        compute=FRAMEWORK_COMPUTE["llm-foundry"],
+        attention="triton",
+    ),
     # minidist's main job (gpt/train.py): gradients synced after the whole pipeline step;
     # ZeRO-3 gathers one unit ahead and reduce-scatters behind the next backward
     # (zero/gatherer.py), a unit every module with parameters: a block's two norms and four
