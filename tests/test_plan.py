@@ -127,7 +127,8 @@ def test_bubble_is_p_minus_1_over_v_slots(pp, v, m):
     rate = A100.gpu.peak_flops * 0.5 * plan.matmul_share(GPT3, x, A100.gpu)
     s = GPT3.seq
     h = GPT3.hidden
-    memory = plan.elementwise_nbytes(GPT3, x, flash=False) / A100.gpu.memory_bw  # the other side
+    # the roofline's other side
+    memory = plan.elementwise_nbytes(GPT3, x, flash=False) / A100.gpu.memory_bw
     layers = 3 * (2 * GPT3.layer_params() + 4 * s * h) * GPT3.layers // pp  # a stage's, a token
     head = 3 * 2 * GPT3.vocab * h  # on the last stage, which sets the pace
     assert parts["compute"] == pytest.approx(m * ((layers + head) * s / rate + memory), rel=1e-12)

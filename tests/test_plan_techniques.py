@@ -301,9 +301,10 @@ def test_a_fused_attention_kernel_takes_its_measured_time_not_its_flops_at_the_m
     assert got == pytest.approx(triton - 3 * 4 * s * h / rate)
     foundry = profiles.PROFILES["llm-foundry"]
     with_flash2 = replace(foundry, attention="flash2")
-    a = plan.step(shape, x, H100, 512, eff, profile=foundry)["compute"]
-    b = plan.step(shape, x, H100, 512, eff, profile=with_flash2)["compute"]
-    assert a - b == pytest.approx(shape.layers * tokens * (triton - want), rel=1e-9)
+    triton_step = plan.step(shape, x, H100, 512, eff, profile=foundry)["compute"]
+    flash2_step = plan.step(shape, x, H100, 512, eff, profile=with_flash2)["compute"]
+    change = shape.layers * tokens * (triton - want)
+    assert triton_step - flash2_step == pytest.approx(change, rel=1e-9)
 
 
 def test_the_search_tries_every_interleaving_that_divides_a_stage():

@@ -10,8 +10,9 @@ benchmark_flash_attention.py: 4 s^2 d heads / 2 with a causal mask); its backwar
 scores again, 2.5 forwards' FLOPs (the same file: bwd 2.5 f). A layer's attention, per token
 on all tp ranks: forward 2 s h / R_fwd, backward 2.5 x 2 s h / R_bwd, and the forward again
 under full recompute. The planner counts 3 x 4 s h (+ 4 s h recomputed) at its matmul rate
-where no kernel is measured (a CPU), or where attention is not fused (no flash: Megatron-LM's
-batched matmuls, its softmax priced as bytes). Which kernel a run has is its framework's
+where attention is not fused: no flash (Megatron-LM's batched matmuls, its softmax priced as
+bytes), or float32 values (the kernels run bf16 and fp16: this machine's plans), or a GPU
+generation with no measured rate. Which kernel a run has is its framework's
 (profiles.Profile.attention): FlashAttention-2, or the Triton FlashAttention MosaicML's
 llm-foundry ran.
 Ladder: KERNELS (data) -> rates (by sequence, clamped to the measured range) ->

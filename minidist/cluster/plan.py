@@ -20,16 +20,16 @@ Memory per GPU (bytes; Psi_g = this GPU's parameters; mixed precision with Adam)
                   the embedding and the head fill a layer's slot each, Dubey et al., 2024,
                   section 3.3.2) the second stage, a layer fuller, may hold the most.
 Time per step (the slowest stage):
-    compute       FLOPs / (peak x efficiency x matmul_share: what tile and wave quantization
-                  leave of the rate); the executed FLOPs of cluster/shapes.py (a token's
-                  forward 2 Psi_matmul + 4 s h L + 2 V h, training 3x that, + what recompute
-                  runs again), split over tp, the layers over pp, the logits on the last stage
-                  (Dubey et al., 2024, section 3.3.2); with flash, a fused attention kernel's
-                  measured time instead of its FLOPs' (cluster/attention.py, where a GPU's
-                  kernel is measured: the causal half at the kernel's rate by sequence
-                  length); + the elementwise ops' bytes / memory
-                  bandwidth: 5 passes over the activations each layer keeps (7 with full
-                  recompute; selective adds its attention core's s x s bytes)
+    compute       FLOPs / (peak x efficiency x the framework's share of it, 1 but where fitted:
+                  profiles.Profile.compute x matmul_share: what tile and wave quantization leave of
+                  the rate); the executed FLOPs of cluster/shapes.py (a token's forward 2 Psi_matmul
+                  + 4 s h L + 2 V h, training 3x that, + what recompute runs again), split over tp,
+                  the layers over pp, the logits on the last stage (Dubey et al., 2024, section
+                  3.3.2); with flash, a fused attention kernel's measured time instead of its FLOPs'
+                  (cluster/attention.py: the framework's kernel, the causal half at its rate by
+                  sequence length); + the elementwise ops' bytes / memory bandwidth: 5 passes over
+                  the activations each layer keeps (7 with full recompute; selective adds its
+                  attention core's s x s bytes)
     pipeline      m microbatch slots of the slowest stage, and a bubble of (pp-1)/v slots of
                   the fullest stage without the head (they fill and drain the pipe)
     collectives   each on its own group, ranks placed in the framework's rank order

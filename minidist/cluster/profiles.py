@@ -3,10 +3,10 @@ behind which compute, what the optimizer step moves through memory, where its ra
 attention kernel it runs, and (DeepSpeed's and llm-foundry's, fitted) what share of the
 calibrated compute rate its runs reach.
 
-Equals: nothing runs here; each profile is a framework's published behaviour, cited below (but
-the compute shares, each fitted on one run: cluster/evidence.py), and exposed_dp_seconds() is
-the rule it implies. plan.step asks it how much of a step's data-parallel
-traffic stays on the critical path; tests/test_plan.py checks each rule on numbers.
+Equals: nothing runs here; each profile is a framework's published behaviour, cited below (but the
+compute shares, each fitted on one run: cluster/evidence.py), and exposed_dp_seconds() is the rule
+it implies. plan.step asks it how much of a step's data-parallel traffic stays on the critical
+path; tests/test_plan.py checks each rule on numbers.
 Data-parallel traffic per step (t_x: one collective of a rank's 2-byte parameters or gradients,
 priced by cluster/network.py; F, B: one microbatch's forward and backward on the stage, B with
 what recompute runs again; L the stage's layers):

@@ -126,7 +126,7 @@ def table(shape, cluster, args, rows, refused) -> None:
     print(f"batch {args.batch} x {shape.seq} tokens; {args.tokens:.3g} tokens to train")
     profile = profiles.PROFILES[framework(args)]
     print(f"framework {profile.name}: {profile.source}; ranks {profile.order}, innermost first")
-    if profile.compute != 1:  # DeepSpeed's, fitted (cluster/evidence.py)
+    if profile.compute != 1:  # a share fitted on the framework's runs (DeepSpeed, llm-foundry)
         fitted = "fitted on one of its runs: cluster/evidence.py"
         print(f"its matmuls at {profile.compute:.1%} of the calibrated rate ({fitted})")
     unit, scale = ("s", 1) if rows[0]["seconds"] >= 1 else ("ms", 1e3)  # a toy's step: ms
